@@ -1,0 +1,179 @@
+"""The command line: ``autotune scan|patch|bake|search``; one small function per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune import __version__
+from autotune.analysis import Project, load_project
+from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
+from autotune.patch import DIFF_NAME, PatchResult, run, select, write_in_place, write_outputs
+from autotune.transform import Site, Status, all_transforms
+
+LOOKED_FOR = (
+    "no training loop found: looked for a for/while loop whose body, directly or through a local function, "
+    "calls .backward() and an optimizer's .step()"
+)
+STATUS_STYLE = {
+    Status.APPLICABLE: "green",
+    Status.PRESENT: "cyan",
+    Status.USER: "yellow",
+    Status.NOT_APPLICABLE: "dim",
+}
+
+JSON_SCHEMA_VERSION = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2 (its own default), without the usage dump."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _split_list(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
+
+
+def _loops_summary(project: Project) -> list[dict]:
+    out = []
+    for loop in project.loops:
+        line, _ = loop.module.position(loop.node)
+        out.append({"path": loop.module.display, "line": line, "kind": type(loop.node).__name__.lower()})
+    return out
+
+
+def _site_json(site: Site) -> dict:
+    return {
+        "transform": site.transform,
+        "path": site.path,
+        "line": site.line,
+        "col": site.col,
+        "status": site.status.name.lower(),
+        "reason": site.reason,
+    }
+
+
+def cmd_scan(args: argparse.Namespace, console: Console) -> int:
+    project = load_project(Path(args.path))
+    transforms = select(_split_list(args.only), _split_list(args.skip))
+    sites = run(project, transforms).sites
+    if args.json:
+        doc = {
+            "schema": JSON_SCHEMA_VERSION,
+            "script": args.path,
+            "files": [m.display for m in project.modules],
+            "training_loops": _loops_summary(project),
+            "sites": [_site_json(s) for s in sites],
+            "transforms": [
+                {
+                    "name": t.name,
+                    "description": t.description(),
+                    "numerics": str(t.numerics()),
+                    "devices": sorted(t.devices),
+                    "knobs": [{"name": k.name, "choices": list(k.choices), "default": k.default} for k in t.knobs],
+                }
+                for t in transforms
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    loops = _loops_summary(project)
+    if loops:
+        where = ", ".join(f"{l['path']}:{l['line']}" for l in loops)
+        console.print(f"[bold]{args.path}[/]: {len(project.modules)} file(s), training loop(s) at {where}")
+    else:
+        console.print(f"[bold]{args.path}[/]: {LOOKED_FOR}")
+    table = Table(show_lines=False)
+    for col in ("transform", "location", "status", "why"):
+        table.add_column(col)
+    for s in sites:
+        style = STATUS_STYLE[s.status]
+        table.add_row(s.transform, s.location, f"[{style}]{s.status}[/]", s.reason)
+    if sites:
+        console.print(table)
+    counts = {st: sum(s.status is st for s in sites) for st in Status}
+    console.print(", ".join(f"{n} {st}" for st, n in counts.items() if n) or "no sites found")
+    return 0
+
+
+def _print_diff(result: PatchResult, console: Console) -> None:
+    styles = {"+": "green", "-": "red", "@": "cyan"}
+    for line in result.diff().splitlines():
+        style = "bold" if line.startswith(("+++", "---")) else styles.get(line[:1])
+        console.print(line, style=style, markup=False, soft_wrap=True)
+
+
+def cmd_patch(args: argparse.Namespace, console: Console) -> int:
+    project = load_project(Path(args.path))
+    if not project.loops:
+        raise NoTrainingLoop(f"{args.path}: {LOOKED_FOR}; nothing patched")
+    result = run(project, select(_split_list(args.only), _split_list(args.skip)))
+    if not result.changed:
+        present = sum(s.status is Status.PRESENT for s in result.sites)
+        console.print(f"{args.path}: nothing to patch ({present} optimization(s) already present); nothing written")
+        return 0
+    _print_diff(result, console)
+    if args.diff:
+        return 0
+    if args.in_place:
+        written = write_in_place(result)
+        console.print(f"patched in place (backups: *.orig): {', '.join(map(str, written))}")
+        return 0
+    out = Path(args.out)
+    written = write_outputs(result, out, args.path)
+    entry = out / result.files[0].rel
+    console.print(
+        f"wrote {len(written)} files to {out}/ ({len(result.knobs)} knobs at their defaults in autotune.yaml, "
+        f"diff in {DIFF_NAME}); run it with: python {entry}"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autotune", description="Find the fastest equivalent configuration of a PyTorch training script.")
+    parser.add_argument("--version", action="version", version=f"autotune {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    scan = sub.add_parser("scan", help="list what could be faster, where, and why")
+    scan.add_argument("path")
+    scan.add_argument("--json", action="store_true", help="print the sites as JSON (schema in README)")
+    scan.add_argument("--only", help="comma-separated transforms to run")
+    scan.add_argument("--skip", help="comma-separated transforms to leave out")
+    scan.set_defaults(func=cmd_scan)
+
+    patch = sub.add_parser("patch", help="inject every applicable optimization behind a knob")
+    patch.add_argument("path")
+    patch.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
+    patch.add_argument("--only", help="comma-separated transforms to apply")
+    patch.add_argument("--skip", help="comma-separated transforms to leave out")
+    patch.add_argument("--diff", action="store_true", help="print the diff, write nothing")
+    patch.add_argument("--in-place", action="store_true", help="edit the script's own files, keeping .orig backups")
+    patch.set_defaults(func=cmd_patch)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    console = Console(highlight=False)
+    err = Console(stderr=True, highlight=False)
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args, console) or 0)
+    except AutotuneError as exc:
+        err.print(f"autotune: error: {exc}", markup=False, soft_wrap=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err.print("autotune: interrupted")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

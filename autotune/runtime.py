@@ -1,0 +1,435 @@
+"""Imported by patched scripts: knob values, the transforms' runtime helpers and the trial protocol.
+
+Standard library and PyYAML only; torch is imported lazily, inside the helpers that need it, so importing this
+module costs nothing measurable and never initialises CUDA.
+
+Knob values come from the YAML file named by ``AUTOTUNE_CONFIG`` or, without it, ``autotune.yaml`` beside the
+script. With neither, every knob takes its default and the patched script behaves exactly like the original.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc as _gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIG_ENV = "AUTOTUNE_CONFIG"
+TRIAL_ENV = "AUTOTUNE_TRIAL"
+CONFIG_NAME = "autotune.yaml"
+
+_values: dict[str, Any] | None = None
+_device: str | None = None
+
+
+def _fail(msg: str) -> None:
+    # SystemExit with a string prints one line and exits 1: no traceback inside the user's script.
+    raise SystemExit(f"autotune: {msg}")
+
+
+def _script_dir() -> Path:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0] else "")
+    return Path(path).resolve().parent if path else Path.cwd()
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        _fail(f"{path}: cannot read config: {exc.strerror}")
+    except yaml.YAMLError as exc:
+        _fail(f"{path}: not valid YAML: {str(exc).splitlines()[0]}")
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        _fail(f"{path}: expected a mapping at the top level")
+    return doc
+
+
+def _knob_section(doc: dict, path: Path) -> dict[str, Any]:
+    knobs = doc.get("knobs") or {}
+    if not isinstance(knobs, dict):
+        _fail(f"{path}: 'knobs' must be a mapping of knob name to value")
+    return knobs
+
+
+def load_config(table_path: Path | None = None, override_path: Path | None = None) -> tuple[dict[str, Any], str | None]:
+    """Knob values and device from the knob table beside the script and the optional override file."""
+    table_path = table_path if table_path is not None else _script_dir() / CONFIG_NAME
+    env = os.environ.get(CONFIG_ENV)
+    override_path = override_path if override_path is not None else (Path(env) if env else None)
+    table: dict[str, dict] = {}
+    values: dict[str, Any] = {}
+    device = None
+    if table_path.is_file():
+        doc = _read_yaml(table_path)
+        device = doc.get("device")
+        for name, spec in _knob_section(doc, table_path).items():
+            if isinstance(spec, dict):
+                table[name] = spec
+                value = spec.get("value", spec.get("default"))
+            else:
+                value = spec
+            _check(table, name, value, table_path)
+            values[name] = value
+    if override_path is not None:
+        if not override_path.is_file():
+            _fail(f"{override_path}: {CONFIG_ENV} names a file that does not exist")
+        doc = _read_yaml(override_path)
+        device = doc.get("device", device)
+        for name, spec in _knob_section(doc, override_path).items():
+            value = spec.get("value") if isinstance(spec, dict) else spec
+            if table and name not in table:
+                _fail(f"{override_path}: unknown knob '{name}' (this script has: {', '.join(sorted(table))})")
+            _check(table, name, value, override_path)
+            values[name] = value
+    if device is not None and device not in ("cpu", "cuda"):
+        _fail(f"device must be 'cpu' or 'cuda', not {device!r}")
+    return values, device
+
+
+def _check(table: dict[str, dict], name: str, value: Any, path: Path) -> None:
+    choices = table.get(name, {}).get("choices")
+    if choices is not None and value not in choices:
+        _fail(f"{path}: knob '{name}' has no choice {value!r} (choices: {', '.join(map(repr, choices))})")
+
+
+def _loaded() -> dict[str, Any]:
+    global _values, _device
+    if _values is None:
+        _values, _device = load_config()
+    return _values
+
+
+def knob(name: str, default: Any) -> Any:
+    """The configured value of knob ``name``, or ``default`` when no config sets it."""
+    return _loaded().get(name, default)
+
+
+def reset() -> None:
+    """Forget the loaded config (tests, and scripts that change AUTOTUNE_CONFIG at run time)."""
+    global _values, _device
+    _values, _device = None, None
+
+
+def device_type() -> str:
+    """The device the knobs target: the config's ``device``, else cuda when available, else cpu."""
+    _loaded()  # the config may name the device
+    if _device is not None:
+        return _device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- fused_optimizer ---------------------------------------------------------------------------------------
+
+
+def optimizer_impl() -> dict[str, bool]:
+    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}."""
+    impl = knob("fused_optimizer.impl", "default")
+    return {} if impl == "default" else {impl: True}
+
+
+# --- autocast ----------------------------------------------------------------------------------------------
+
+_scaler_obj = None
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def autocast():
+    """The autocast region autotune injected around forward and loss; a null context by default."""
+    dtype = knob("autocast.dtype", "default")
+    if dtype == "default":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(device_type=device_type(), dtype=_dtype(dtype))
+
+
+def autocast_dtype(script_dtype):
+    """The dtype of an autocast region the script already had: its own by default, else the knob's."""
+    dtype = knob("autocast.dtype", "default")
+    return script_dtype if dtype == "default" else _dtype(dtype)
+
+
+def scaler_enabled(script_enabled: bool = True) -> bool:
+    """Whether the script's own GradScaler stays on: off under bf16, which needs no loss scaling."""
+    dtype = knob("autocast.dtype", "default")
+    return bool(script_enabled) and dtype != "bf16"
+
+
+def _scaler():
+    global _scaler_obj
+    if _scaler_obj is None:
+        import torch
+
+        _scaler_obj = torch.amp.GradScaler(device_type())
+    return _scaler_obj
+
+
+def _fp16_injected() -> bool:
+    return knob("autocast.dtype", "default") == "fp16"
+
+
+def scale(loss):
+    """``loss`` scaled by autotune's GradScaler under fp16; ``loss`` itself otherwise."""
+    return _scaler().scale(loss) if _fp16_injected() else loss
+
+
+def unscale_(optimizer) -> None:
+    """Unscale gradients before clipping, under fp16 only."""
+    if _fp16_injected():
+        _scaler().unscale_(optimizer)
+
+
+def optimizer_step(optimizer, *args, **kwargs):
+    """``optimizer.step()``, through autotune's GradScaler (step + update) under fp16."""
+    if not _fp16_injected():
+        return optimizer.step(*args, **kwargs)
+    scaler = _scaler()
+    result = scaler.step(optimizer, *args, **kwargs)
+    scaler.update()
+    return result
+
+
+# --- backend_flags -----------------------------------------------------------------------------------------
+
+
+def backend_flags() -> None:
+    """Set the TF32, matmul-precision and cuDNN flags the knobs ask for; touch nothing by default."""
+    tf32 = knob("backend_flags.tf32", False)
+    precision = knob("backend_flags.matmul_precision", "highest")
+    benchmark = knob("backend_flags.cudnn_benchmark", False)
+    if not (tf32 or benchmark or precision != "highest"):
+        return
+    import torch
+
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if precision != "highest":
+        torch.set_float32_matmul_precision(precision)
+    if benchmark:
+        torch.backends.cudnn.benchmark = True
+
+
+# --- channels_last -----------------------------------------------------------------------------------------
+
+
+def channels_last(obj):
+    """A module or 4-D tensor in channels_last memory format when the knob is on; anything else unchanged."""
+    if not knob("channels_last.enabled", False):
+        return obj
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return obj.to(memory_format=torch.channels_last)
+    if isinstance(obj, torch.Tensor) and obj.dim() == 4:
+        return obj.contiguous(memory_format=torch.channels_last)
+    return obj
+
+
+# --- dataloader --------------------------------------------------------------------------------------------
+
+
+def dataloader_kwargs(**script: Any) -> dict[str, Any]:
+    """DataLoader keyword arguments: those the script wrote, plus the knobs' for the ones it left out.
+
+    Never returns ``prefetch_factor`` or ``persistent_workers=True`` with zero workers, which DataLoader rejects.
+    """
+    out = dict(script)
+    workers = out.setdefault("num_workers", knob("dataloader.num_workers", 0))
+    pin = knob("dataloader.pin_memory", False)
+    if pin and "pin_memory" not in script:
+        out["pin_memory"] = True
+    if workers:
+        if "persistent_workers" not in script and knob("dataloader.persistent_workers", False):
+            out["persistent_workers"] = True
+        prefetch = knob("dataloader.prefetch_factor", 2)
+        if "prefetch_factor" not in script and prefetch != 2:
+            out["prefetch_factor"] = prefetch
+    if out["num_workers"] == 0 and "num_workers" not in script:
+        del out["num_workers"]  # leave DataLoader's own default in place, as the script did
+    return out
+
+
+# --- non_blocking ------------------------------------------------------------------------------------------
+
+
+def non_blocking() -> bool:
+    """Whether host-to-device copies in the loop are asynchronous."""
+    return bool(knob("non_blocking.enabled", False))
+
+
+# --- gc ----------------------------------------------------------------------------------------------------
+
+_gc_paused = False
+
+
+def gc_pause() -> None:
+    """Collect, freeze and disable the garbage collector before the loop, when the knob is on."""
+    global _gc_paused
+    if knob("gc.freeze", False) and not _gc_paused:
+        _gc.collect()
+        _gc.freeze()
+        _gc.disable()
+        _gc_paused = True
+
+
+def gc_resume() -> None:
+    """Undo ``gc_pause`` after the loop."""
+    global _gc_paused
+    if _gc_paused:
+        _gc.enable()
+        _gc.unfreeze()
+        _gc_paused = False
+
+
+# --- allocator ---------------------------------------------------------------------------------------------
+
+
+def allocator_env() -> None:
+    """Add ``expandable_segments:True`` to PYTORCH_CUDA_ALLOC_CONF; must run before torch initialises CUDA."""
+    if not knob("allocator.expandable_segments", False):
+        return
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" not in current:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
+
+
+# --- trial protocol ----------------------------------------------------------------------------------------
+
+
+class TrialComplete(SystemExit):
+    """Raised by ``step`` when the measured window is over: ends the script with exit code 0."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class _Trial:
+    """Times steps after a warm-up, keeps per-step losses on device and writes one JSON result."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.warmup = int(spec.get("warmup", 2))
+        self.steps = int(spec.get("steps", 10))
+        self.result_path = Path(spec["result"])
+        self.started = time.perf_counter()
+        self.count = 0
+        self.stamps: list[float] = []
+        self.losses: list[Any] = []
+        self.batch: int | None = None
+        self.written = False
+        self.first_step_at: float | None = None
+        self.window_start: float | None = None
+
+    def _sync(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def step(self, losses: tuple, batch: Any) -> None:
+        self.count += 1
+        if losses:
+            self.losses.append(tuple(l.detach() if hasattr(l, "detach") else l for l in losses))
+        if self.batch is None and batch is not None and hasattr(batch, "shape") and len(batch.shape) > 0:
+            self.batch = int(batch.shape[0])
+        if self.count == 1:
+            self.first_step_at = time.perf_counter()
+        if self.count == self.warmup:
+            self._sync()
+            self.window_start = time.perf_counter()
+            self.stamps.append(self.window_start)
+        elif self.count > self.warmup:
+            self.stamps.append(time.perf_counter())
+        if self.count >= self.warmup + self.steps:
+            self._sync()
+            self.stamps[-1] = time.perf_counter()
+            self.write("ok")
+            raise TrialComplete()
+
+    def _loss_values(self) -> list[list[float]]:
+        out = []
+        for row in self.losses:
+            out.append([float(v) for v in row])  # one host sync per value, after the window
+        return out
+
+    def _peak_memory(self) -> tuple[int | None, str]:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
+        try:
+            import resource
+
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_max_rss"
+        except ImportError:  # pragma: no cover - not on Linux/macOS
+            return None, "unknown"
+
+    def write(self, status: str, error: str | None = None, error_type: str | None = None) -> None:
+        if self.written:
+            return
+        self.written = True
+        step_times = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        window = self.stamps[-1] - self.stamps[0] if len(self.stamps) > 1 else None
+        try:
+            losses = self._loss_values()
+        except Exception as exc:  # a failed device (OOM, illegal access) can make losses unreadable
+            losses, error = [], error or f"losses unreadable: {exc}"
+        peak, peak_kind = self._peak_memory()
+        result = {
+            "status": status,
+            "steps_done": self.count,
+            "warmup": self.warmup,
+            "steps": self.steps,
+            "warmup_s": (self.window_start - self.started) if self.window_start else None,
+            "window_s": window,
+            "step_times": step_times,
+            "losses": losses,
+            "batch_size": self.batch,
+            "peak_memory": peak,
+            "peak_memory_kind": peak_kind,
+            "error": error,
+            "error_type": error_type,
+        }
+        tmp = self.result_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result), encoding="utf-8")
+        os.replace(tmp, self.result_path)
+
+
+def _start_trial() -> _Trial | None:
+    spec_path = os.environ.get(TRIAL_ENV)
+    if not spec_path:
+        return None
+    trial = _Trial(json.loads(Path(spec_path).read_text(encoding="utf-8")))
+    previous_hook = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        trial.write("error", error=f"{exc_type.__name__}: {exc}", error_type=exc_type.__name__)
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    atexit.register(lambda: trial.write("short", error=f"script ended after {trial.count} steps"))
+    return trial
+
+
+_trial = _start_trial()
+
+
+def step(*losses: Any, batch: Any = None) -> None:
+    """Called by patched scripts after each optimizer step; does nothing outside a trial."""
+    if _trial is not None:
+        _trial.step(losses, batch)

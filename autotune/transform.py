@@ -1,0 +1,232 @@
+"""The base of every transform: its knobs, the sites it reports and the edits it asks for."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cache
+from typing import Any, ClassVar
+
+import libcst as cst
+
+from autotune.analysis import RUNTIME_ALIAS, ModuleFacts, Project
+from autotune.knobs import NUMERICS_ORDER, Knob, Numerics
+
+
+class Status(str, Enum):
+    """What a transform found at one site."""
+
+    APPLICABLE = "applicable"
+    PRESENT = "already present"
+    USER = "kept as written"
+    NOT_APPLICABLE = "not applicable"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place in the user's code a transform looked at, and what it decided."""
+
+    transform: str
+    path: str
+    line: int
+    col: int
+    status: Status
+    reason: str
+
+    @property
+    def location(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How transforms write code: gated behind knobs (patch), or baked with fixed values (bake)."""
+
+    values: Mapping[str, Any] | None = None  # None: gated
+    device: str = "cpu"
+
+    @property
+    def gated(self) -> bool:
+        return self.values is None
+
+    def value(self, knob: Knob) -> Any:
+        assert self.values is not None, "value() is for baking"
+        return self.values.get(knob.name, knob.default)
+
+
+Rewrite = Callable[[Any], Any]
+
+
+@dataclass
+class Edits:
+    """The changes transforms ask for in one file, keyed by nodes of the original tree and applied in one pass."""
+
+    replace: dict[cst.CSTNode, list[Rewrite]] = field(default_factory=dict)
+    before: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
+    after: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
+    wraps: list[tuple[list[cst.BaseStatement], Callable[[list[cst.BaseStatement]], cst.BaseStatement]]] = field(
+        default_factory=list
+    )
+    top: list[cst.BaseStatement] = field(default_factory=list)  # before the first import
+    post_imports: list[cst.BaseStatement] = field(default_factory=list)
+    imports: list[str] = field(default_factory=list)  # modules that baked code needs ("gc", "os")
+    uses_runtime: bool = False
+
+    def rewrite(self, node: cst.CSTNode, fn: Rewrite) -> None:
+        """Replace ``node`` by ``fn(updated_node)``; rewrites of one node compose in registration order."""
+        self.replace.setdefault(node, []).append(fn)
+
+    def insert_before(self, stmt: cst.BaseStatement, *stmts: cst.BaseStatement) -> None:
+        self.before.setdefault(stmt, []).extend(stmts)
+
+    def insert_after(self, stmt: cst.BaseStatement, *stmts: cst.BaseStatement) -> None:
+        self.after.setdefault(stmt, []).extend(stmts)
+
+    def wrap(self, stmts: Sequence[cst.BaseStatement], fn: Callable[[list[cst.BaseStatement]], cst.BaseStatement]) -> None:
+        """Replace consecutive statements of one block by ``fn(updated statements)`` (a ``with`` around them)."""
+        self.wraps.append((list(stmts), fn))
+
+    def prelude(self, *stmts: cst.BaseStatement) -> None:
+        """Statements at the very top of the module, before its first import (environment variables)."""
+        self.top.extend(stmts)
+
+    def after_imports(self, *stmts: cst.BaseStatement) -> None:
+        self.post_imports.extend(stmts)
+
+    def require_import(self, module: str) -> None:
+        if module not in self.imports:
+            self.imports.append(module)
+
+    def runtime(self, helper: str) -> str:
+        """The code that calls runtime helper ``helper``; records that the file needs the runtime import."""
+        self.uses_runtime = True
+        return f"{RUNTIME_ALIAS}.{helper}"
+
+    def __bool__(self) -> bool:
+        return bool(self.replace or self.before or self.after or self.wraps or self.top or self.post_imports)
+
+
+def stmt(code: str) -> cst.BaseStatement:
+    """A statement node from its code."""
+    return cst.parse_statement(code)
+
+
+def expr(code: str) -> cst.BaseExpression:
+    """An expression node from its code."""
+    return cst.parse_expression(code)
+
+
+def kwarg(name: str, value: cst.BaseExpression | str) -> cst.Arg:
+    value = expr(value) if isinstance(value, str) else value
+    return cst.Arg(
+        value=value,
+        keyword=cst.Name(name),
+        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
+    )
+
+
+def star_kwargs(value: cst.BaseExpression | str) -> cst.Arg:
+    value = expr(value) if isinstance(value, str) else value
+    return cst.Arg(value=value, star="**")
+
+
+def add_args(call: cst.Call, *new: cst.Arg) -> cst.Call:
+    """``call`` with arguments appended, keeping a one-argument-per-line layout and trailing comma as written."""
+    args = list(call.args)
+    space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    if not args:
+        return call.with_changes(args=[*(a.with_changes(comma=space) for a in new[:-1]), new[-1]])
+    last_comma = args[-1].comma
+    if last_comma is cst.MaybeSentinel.DEFAULT:
+        args[-1] = args[-1].with_changes(comma=space)
+        return call.with_changes(args=[*args, *(a.with_changes(comma=space) for a in new[:-1]), new[-1]])
+    # a trailing comma: the whitespace between arguments is the one before the last argument
+    between = args[-2].comma if len(args) > 1 else cst.Comma(whitespace_after=call.whitespace_before_args)
+    args[-1] = args[-1].with_changes(comma=between)
+    added = [a.with_changes(comma=between) for a in new[:-1]] + [new[-1].with_changes(comma=last_comma)]
+    return call.with_changes(args=[*args, *added])
+
+
+def keyword(call: cst.Call, name: str) -> cst.Arg | None:
+    return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
+
+
+def is_literal(node: cst.BaseExpression, value: Any) -> bool:
+    """Whether ``node`` is the literal ``True``/``False``/``None`` or a number equal to ``value``."""
+    if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[node.value] is value
+    if isinstance(node, cst.Integer):
+        return int(node.value) == value
+    return False
+
+
+class Transform(ABC):
+    """One optimization: detects its sites, reports them, and rewrites them behind its knobs.
+
+    Subclasses live one per file in ``transforms/``; the file name is the transform name and the knob prefix.
+    The class docstring's first line is its description.
+    """
+
+    name: ClassVar[str]
+    knobs: ClassVar[tuple[Knob, ...]]
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    entry_only: ClassVar[bool] = False  # process-wide settings belong in the entry script only
+
+    def __init__(self, project: Project, mode: Mode) -> None:
+        self.project = project
+        self.mode = mode
+        self.sites: list[Site] = []
+
+    @classmethod
+    def description(cls) -> str:
+        return (cls.__doc__ or "").strip().splitlines()[0]
+
+    @classmethod
+    def numerics(cls) -> Numerics:
+        return max((k.numerics for k in cls.knobs), key=NUMERICS_ORDER.index, default=Numerics.EXACT)
+
+    def knob(self, setting: str) -> Knob:
+        return next(k for k in self.knobs if k.name == f"{self.name}.{setting}")
+
+    def report(self, facts: ModuleFacts, node: cst.CSTNode, status: Status, reason: str) -> None:
+        line, col = facts.position(node)
+        self.sites.append(Site(self.name, facts.display, line, col, status, reason))
+
+    def baking(self) -> bool:
+        return not self.mode.gated
+
+    @abstractmethod
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        """Report this transform's sites in ``facts`` and register the edits for the applicable ones."""
+
+
+@cache
+def all_transforms() -> tuple[type[Transform], ...]:
+    """Every transform class, found by walking the ``autotune.transforms`` package (no list to edit)."""
+    import autotune.transforms as pkg
+
+    found = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        classes = [
+            obj
+            for obj in vars(mod).values()
+            if isinstance(obj, type) and issubclass(obj, Transform) and obj is not Transform and obj.__module__ == mod.__name__
+        ]
+        if len(classes) != 1 or classes[0].name != info.name:
+            raise RuntimeError(f"transforms/{info.name}.py must define exactly one Transform named {info.name!r}")
+        found.append(classes[0])
+    return tuple(found)
+
+
+def all_knobs() -> dict[str, Knob]:
+    return {k.name: k for t in all_transforms() for k in t.knobs}

@@ -1,0 +1,1 @@
+"""The transforms, one per module; the module name is the transform name and its knobs' prefix."""
