@@ -519,10 +519,15 @@ def _find_loops(project: Project) -> None:
             scopes = _scope_calls(project, facts, loop, 0, set())
             if any(s.backward for s in scopes) and any(s.steps for s in scopes):
                 candidates.append((facts, loop, tuple(scopes)))
+    def inside(call_facts: ModuleFacts, call: cst.Call, other: tuple) -> bool:
+        return other[0] is call_facts and call_facts.contains(other[1], call)
+
     for facts, loop, scopes in candidates:
-        inner = [c for c in candidates if c[0] is facts and c[1] is not loop and facts.contains(loop, c[1])]
-        if inner:
-            continue  # not the innermost
+        steps = [(s.module, c) for s in scopes for c in s.steps]
+        others = [c for c in candidates if c[1] is not loop and not (c[0] is facts and facts.contains(c[1], loop))]
+        nested = any(c[0] is facts and facts.contains(loop, c[1]) for c in others)
+        if nested or any(all(inside(m, c, other) for m, c in steps) for other in others):
+            continue  # an epoch loop: its steps belong to an inner loop, here or in a function it calls
         outer = loop
         for other_facts, other, _ in candidates:
             if other_facts is facts and facts.contains(other, loop) and facts.function_of(other) is facts.function_of(loop):

@@ -1,0 +1,84 @@
+"""Every fixture script, patched with every transform: same losses bit for bit with no config, idempotent,
+comments kept, and the knob table lists exactly the injected knobs."""
+
+from __future__ import annotations
+
+import io
+import tokenize
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autotune.analysis import load_project
+from autotune.patch import run, write_outputs
+from loss_probe import run_probe
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(
+    p for p in [*(REPO / "fixtures/scripts").glob("*.py"), *(REPO / "fixtures/scripts").glob("*/train.py")]
+    if p.name != "no_loop.py"
+)
+STEPS = 4
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(REPO / "fixtures/scripts"))
+
+
+def _comments(text: str) -> Counter:
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return Counter(t.string for t in tokens if t.type == tokenize.COMMENT)
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory) -> dict[Path, Path]:
+    """script -> its patched entry, each in its own output folder."""
+    out = {}
+    for script in SCRIPTS:
+        dest = tmp_path_factory.mktemp(script.stem)
+        result = run(load_project(script))
+        write_outputs(result, dest, str(script))
+        out[script] = dest / script.relative_to(script.parent)
+    return out
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_id)
+def test_default_knobs_reproduce_losses_bit_for_bit(script: Path, patched, tmp_path: Path):
+    original = run_probe(script, steps=STEPS, out=tmp_path / "orig.json", cwd=REPO)
+    new = run_probe(patched[script], steps=STEPS, out=tmp_path / "patched.json", cwd=REPO, env={"AUTOTUNE_CONFIG": None})
+    assert len(original) == STEPS
+    assert new == original
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_id)
+def test_second_patch_changes_nothing(script: Path, patched):
+    again = run(load_project(patched[script]))
+    changed = [f.rel for f in again.files if f.changed]
+    assert not changed, f"patching the patched script changed {changed}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_id)
+def test_comments_and_untouched_lines_survive(script: Path):
+    result = run(load_project(script))
+    for f in result.files:
+        assert not (_comments(f.facts.source) - _comments(f.new_text)), f"{f.rel}: comments lost"
+        # every original line is still there, in order, unless a transform edited it
+        new_lines = f.new_text.splitlines()
+        kept = [line for line in f.facts.source.splitlines() if line in new_lines]
+        assert len(kept) >= 0.8 * len(f.facts.source.splitlines()), f"{f.rel}: too many lines rewritten"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_id)
+def test_knob_table_lists_injected_knobs(script: Path, patched):
+    table = yaml.safe_load((patched[script].parent / "autotune.yaml").read_text())["knobs"]
+    result = run(load_project(script))
+    assert set(table) == {k.name for k in result.knobs}
+    for name, spec in table.items():
+        assert spec["value"] == spec["default"] and spec["default"] in spec["choices"], name
+
+
+def test_already_optimized_script_is_left_alone():
+    result = run(load_project(REPO / "fixtures/scripts/already_optimized.py"))
+    assert not result.changed, result.diff()
