@@ -284,6 +284,7 @@ def _positions(facts: ModuleFacts) -> dict[cst.CSTNode, tuple[int, int]]:
         ctype = twin_of.get(type(node))
         if ctype is not None:
             by_type[ctype].append(node)
+    lines = facts.source.splitlines()
     ordered = sorted(facts._enter, key=facts._enter.__getitem__)
     out: dict[cst.CSTNode, tuple[int, int]] = {}
     for ctype, anodes in by_type.items():
@@ -292,12 +293,14 @@ def _positions(facts: ModuleFacts) -> dict[cst.CSTNode, tuple[int, int]]:
             return _libcst_positions(facts)
         anodes.sort(key=lambda a: (a.lineno, a.col_offset, -(a.end_lineno or 0), -(a.end_col_offset or 0)))
         for c, a in zip(cnodes, anodes):
-            line, col = a.lineno, a.col_offset + 1
-            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and a.decorator_list:
-                line = a.decorator_list[0].lineno  # libcst's node starts at its decorators
-                col = a.decorator_list[0].col_offset
-            out[c] = (line, col)
+            out[c] = (a.lineno, _char_col(lines, a.lineno, a.col_offset) + 1)
     return out
+
+
+def _char_col(lines: list[str], lineno: int, byte_col: int) -> int:
+    """ast counts columns in UTF-8 bytes; users (and libcst) count characters."""
+    line = lines[lineno - 1] if 0 < lineno <= len(lines) else ""
+    return len(line.encode("utf-8")[:byte_col].decode("utf-8", errors="ignore")) if not line.isascii() else byte_col
 
 
 def _libcst_positions(facts: ModuleFacts) -> dict[cst.CSTNode, tuple[int, int]]:

@@ -94,10 +94,12 @@ def run(
         for transform in instances:
             if transform.entry_only and facts is not project.entry:
                 continue
-            before = len(transform.sites)
+            before, asked = len(transform.sites), edits.runtime_calls
             transform.apply(facts, edits)
-            if any(s.status is Status.APPLICABLE for s in transform.sites[before:]) and mode.gated:
-                used.update((k.name, k) for k in transform.knobs)
+            applicable = any(s.status is Status.APPLICABLE for s in transform.sites[before:])
+            # a site already present can still be made a knob (the dtype of the script's own autocast)
+            if mode.gated and (applicable or edits.runtime_calls > asked):
+                used.update((k.name, k) for k in transform.knobs_read())
         if mode.gated and hooks and edits:
             _step_hooks(project, facts, edits)
         new_text = _apply(facts, edits).code if edits else facts.source
@@ -208,7 +210,8 @@ class _Applier(cst.CSTTransformer):
         for s in body:
             if s in self.wrap_first:
                 group, fn = self.wrap_first[s]
-                out.append(fn([x for member in group for x in self.done.get(member, [member])]))
+                new = fn([x for member in group for x in self.done.get(member, [member])])
+                out.extend(new if isinstance(new, (list, tuple)) else [new])
             elif s not in self.wrapped:
                 out.extend(self.done.get(s, [s]))
         return out
@@ -320,19 +323,28 @@ def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> li
     return [*written, config, diff]
 
 
+def _backup_path(path: Path) -> Path:
+    """``<file>.orig``, or ``<file>.orig.N`` when an earlier backup exists: the first original is never lost."""
+    backup = path.with_name(path.name + ".orig")
+    n = 1
+    while backup.exists():
+        backup = path.with_name(f"{path.name}.orig.{n}")
+        n += 1
+    return backup
+
+
 def write_in_place(result: PatchResult) -> list[Path]:
     """Overwrite the user's changed files, each after keeping ``<file>.orig``; autotune.yaml beside the entry."""
     written = []
     for f in result.files:
         if not f.changed:
             continue
-        backup = f.facts.path.with_name(f.facts.path.name + ".orig")
-        shutil.copy2(f.facts.path, backup)
+        shutil.copy2(f.facts.path, _backup_path(f.facts.path))
         f.facts.path.write_text(f.new_text, encoding="utf-8")
         written.append(f.facts.path)
     config = result.project.root / CONFIG_NAME
     if config.exists():
-        shutil.copy2(config, config.with_name(CONFIG_NAME + ".orig"))
+        shutil.copy2(config, _backup_path(config))
     doc = {"script": result.project.entry.display, "knobs": knob_table(result.knobs)}
     config.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return [*written, config]

@@ -1,0 +1,163 @@
+"""The command line as a user meets it: bad input, outputs, and never touching the user's files uninvited."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+CNN = REPO / "fixtures/scripts/cnn.py"
+NO_LOOP = REPO / "fixtures/scripts/no_loop.py"
+
+
+def _files(folder: Path) -> set[Path]:
+    return {p for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+BAD_INPUTS = {
+    "missing": (None, "no such file"),
+    "directory": ("DIR", "is a directory"),
+    "syntax": ("import torch\nfor x in range(3)\n    pass\n", "bad.py:2:"),
+    "not_utf8": (b"x = '\xff\xfe'\n", "not UTF-8"),
+    "empty": ("", "is empty"),
+    "binary": (b"\x7fELF\x02\x01\x01\x00\x00\x00", "binary"),
+}
+
+
+@pytest.mark.parametrize("command", ["scan", "patch"])
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2_nothing_written(case, command, in_tmp, capsys):
+    content, expected = BAD_INPUTS[case]
+    path = in_tmp / "bad.py"
+    if content == "DIR":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    before = _files(in_tmp)
+    code = main([command, "bad.py"])
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert _files(in_tmp) == before
+
+
+def test_syntax_error_reports_path_line_col(in_tmp, capsys):
+    (in_tmp / "bad.py").write_text("import torch\nx = (1,\ny = 2\n")
+    assert main(["scan", "bad.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    path, line, col, msg = err.removeprefix("autotune: error: ").split(":", 3)
+    assert path == "bad.py" and line.isdigit() and col.isdigit() and msg.strip()
+
+
+def test_scan_without_training_loop_says_what_it_looked_for(capsys):
+    assert main(["scan", str(NO_LOOP)]) == 0
+    out = capsys.readouterr().out
+    assert "no training loop found" in out and ".backward()" in out and ".step()" in out
+
+
+def test_patch_without_training_loop_refuses_and_writes_nothing(in_tmp, capsys):
+    code = main(["patch", str(NO_LOOP), "--out", "out"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no training loop" in err[0]
+    assert not (in_tmp / "out").exists()
+
+
+def test_unknown_transform_is_a_usage_error(capsys):
+    assert main(["scan", str(CNN), "--only", "warp_drive"]) == 2
+    assert "unknown transform 'warp_drive'" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2_one_line(capsys):
+    assert main(["patch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "path" in err[0]
+
+
+def test_patch_writes_outputs_and_leaves_original_alone(in_tmp, capsys):
+    script = in_tmp / "train.py"
+    script.write_text(CNN.read_text())
+    original = script.read_text()
+    assert main(["patch", "train.py"]) == 0
+    out = in_tmp / "autotune-out"
+    assert {p.name for p in out.iterdir()} == {"train.py", "autotune.yaml", "patch.diff"}
+    assert script.read_text() == original
+    diff = (out / "patch.diff").read_text()
+    assert diff.startswith("--- a/train.py\n+++ b/train.py\n")
+    assert "+import autotune.runtime as _autotune" in diff
+    assert "+import autotune.runtime as _autotune" in capsys.readouterr().out
+
+
+def test_patch_diff_writes_nothing(in_tmp, capsys):
+    (in_tmp / "train.py").write_text(CNN.read_text())
+    before = _files(in_tmp)
+    assert main(["patch", "train.py", "--diff"]) == 0
+    assert "_autotune" in capsys.readouterr().out
+    assert _files(in_tmp) == before
+
+
+def test_patch_in_place_keeps_backups(in_tmp):
+    script = in_tmp / "train.py"
+    script.write_text(CNN.read_text())
+    assert main(["patch", "train.py", "--in-place"]) == 0
+    assert (in_tmp / "train.py.orig").read_text() == CNN.read_text()
+    assert "_autotune" in script.read_text()
+    assert (in_tmp / "autotune.yaml").exists()
+    # a second in-place patch has nothing to do and keeps the first backup
+    assert main(["patch", "train.py", "--in-place"]) == 0
+    assert (in_tmp / "train.py.orig").read_text() == CNN.read_text()
+
+
+def test_patch_copies_local_modules_so_the_output_runs(in_tmp):
+    project = REPO / "fixtures/scripts/pkg_project"
+    assert main(["patch", str(project / "train.py"), "--out", "out"]) == 0
+    out = in_tmp / "out"
+    expected = {p.relative_to(project) for p in project.rglob("*.py")}
+    assert expected <= {p.relative_to(out) for p in out.rglob("*.py")}
+
+
+def test_scan_json_schema(capsys):
+    assert main(["scan", str(CNN), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == 1
+    assert doc["training_loops"] and doc["training_loops"][0]["path"].endswith("cnn.py")
+    statuses = {"applicable", "present", "user", "not_applicable"}
+    for site in doc["sites"]:
+        assert set(site) == {"transform", "path", "line", "col", "status", "reason"}
+        assert site["status"] in statuses and site["line"] >= 1
+    assert any(s["transform"] == "fused_optimizer" and s["status"] == "applicable" for s in doc["sites"])
+    for t in doc["transforms"]:
+        assert t["numerics"] in ("exact", "reorder", "lowp") and t["knobs"]
+
+
+def test_scan_lines_point_at_the_code(capsys):
+    assert main(["scan", str(CNN), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    lines = CNN.read_text().splitlines()
+    site = next(s for s in doc["sites"] if s["transform"] == "fused_optimizer")
+    assert "AdamW" in lines[site["line"] - 1]
+
+
+def test_console_script_and_python_m(tmp_path):
+    env = {**os.environ, "COLUMNS": "200"}
+    for cmd in (["autotune"], [sys.executable, "-m", "autotune"]):
+        proc = subprocess.run([*cmd, "scan", str(NO_LOOP)], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0 and "no training loop found" in proc.stdout
+        proc = subprocess.run([*cmd, "scan", str(tmp_path / "nope.py")], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
