@@ -7,6 +7,7 @@ Nothing here imports or runs user code. Each file is parsed once with libcst (fo
 from __future__ import annotations
 
 import ast
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,13 @@ class _Collector(cst.CSTVisitor):
         self.stack: list[cst.CSTNode] = []
         self.counter = 0
 
+    # the base class's per-field callbacks cost a third of the pass and tell us nothing
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        pass
+
     def on_visit(self, node: cst.CSTNode) -> bool:
         f = self.f
         if self.stack:
@@ -78,15 +86,17 @@ class _Collector(cst.CSTVisitor):
         f._enter[node] = self.counter
         self.counter += 1
         self.stack.append(node)
-        if isinstance(node, cst.Call):
+        kind = type(node)
+        if kind is cst.Call:
             f.calls.append(node)
-        elif isinstance(node, (cst.For, cst.While)):
+            f._call_enter.append(self.counter - 1)
+        elif kind is cst.For or kind is cst.While:
             f.loops.append(node)
-        elif isinstance(node, cst.FunctionDef):
+        elif kind is cst.FunctionDef:
             f.functions.append(node)
-        elif isinstance(node, cst.ClassDef):
+        elif kind is cst.ClassDef:
             f.classes[node.name.value] = node
-        elif isinstance(node, cst.Import):
+        elif kind is cst.Import:
             for alias in node.names:
                 dotted = _dotted(alias.name)
                 if alias.asname is not None:
@@ -94,7 +104,7 @@ class _Collector(cst.CSTVisitor):
                 else:
                     f.imports[dotted.split(".")[0]] = dotted.split(".")[0]
                 f.imported_modules.append((dotted, 0))
-        elif isinstance(node, cst.ImportFrom):
+        elif kind is cst.ImportFrom:
             base = _dotted(node.module) if node.module is not None else ""
             level = len(node.relative)
             prefix = "." * level + base
@@ -143,10 +153,12 @@ class ModuleFacts:
     loops: list[cst.For | cst.While] = field(default_factory=list)
     functions: list[cst.FunctionDef] = field(default_factory=list)
     classes: dict[str, cst.ClassDef] = field(default_factory=dict)
+    _call_enter: list[int] = field(default_factory=list, repr=False)  # pre-order index of each call
     _parent: dict[cst.CSTNode, cst.CSTNode] = field(default_factory=dict, repr=False)
     _enter: dict[cst.CSTNode, int] = field(default_factory=dict, repr=False)
     _exit: dict[cst.CSTNode, int] = field(default_factory=dict, repr=False)
     _pos: dict[cst.CSTNode, tuple[int, int]] | None = field(default=None, repr=False)
+    _plain_functions: dict[str, cst.FunctionDef] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: Path, display: str, modname: str, source: str | None = None) -> ModuleFacts:
@@ -172,8 +184,9 @@ class ModuleFacts:
         return self._enter[outer] <= self._enter[inner] < self._exit[outer]
 
     def calls_in(self, node: cst.CSTNode) -> list[cst.Call]:
-        lo, hi = self._enter[node], self._exit[node]
-        return [c for c in self.calls if lo <= self._enter[c] < hi]
+        lo = bisect.bisect_left(self._call_enter, self._enter[node])
+        hi = bisect.bisect_left(self._call_enter, self._exit[node])
+        return self.calls[lo:hi]
 
     def statement_of(self, node: cst.CSTNode) -> cst.BaseStatement:
         """The statement (a line or a compound statement) that holds ``node``, as it sits in its block."""
@@ -222,7 +235,13 @@ class ModuleFacts:
         return f"{head}.{rest}" if rest else head
 
     def function_named(self, name: str) -> cst.FunctionDef | None:
-        return next((f for f in self.functions if f.name.value == name and self.class_of(f) is None), None)
+        """The module-level or nested (not method) function called ``name``."""
+        if self._plain_functions is None:
+            self._plain_functions = {}
+            for f in self.functions:
+                if self.class_of(f) is None:
+                    self._plain_functions.setdefault(f.name.value, f)
+        return self._plain_functions.get(name)
 
     def method_named(self, cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
         return next((f for f in self.functions if f.name.value == name and self.class_of(f) is cls), None)
