@@ -78,6 +78,7 @@ class Edits:
     post_imports: list[cst.BaseStatement] = field(default_factory=list)
     imports: list[str] = field(default_factory=list)  # modules that baked code needs ("gc", "os")
     uses_runtime: bool = False
+    runtime_calls: int = 0  # how many times runtime() was asked: gated code that reads knobs
 
     def rewrite(self, node: cst.CSTNode, fn: Rewrite) -> None:
         """Replace ``node`` by ``fn(updated_node)``; rewrites of one node compose in registration order."""
@@ -107,6 +108,7 @@ class Edits:
     def runtime(self, helper: str) -> str:
         """The code that calls runtime helper ``helper``; records that the file needs the runtime import."""
         self.uses_runtime = True
+        self.runtime_calls += 1
         return f"{RUNTIME_ALIAS}.{helper}"
 
     def __bool__(self) -> bool:
@@ -201,6 +203,10 @@ class Transform(ABC):
 
     def baking(self) -> bool:
         return not self.mode.gated
+
+    def knobs_read(self) -> tuple[Knob, ...]:
+        """The knobs the gated code this transform wrote reads: all of them unless it says otherwise."""
+        return self.knobs
 
     @abstractmethod
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
