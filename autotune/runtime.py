@@ -142,6 +142,7 @@ def optimizer_impl() -> dict[str, bool]:
 # --- autocast ----------------------------------------------------------------------------------------------
 
 _scaler_obj = None
+_update_pending = False  # an optimizer stepped through the scaler since its last update()
 
 
 def _dtype(name: str):
@@ -187,7 +188,16 @@ def _fp16_injected() -> bool:
 
 def scale(loss):
     """``loss`` scaled by autotune's GradScaler under fp16; ``loss`` itself otherwise."""
-    return _scaler().scale(loss) if _fp16_injected() else loss
+    global _update_pending
+    if not _fp16_injected():
+        return loss
+    scaler = _scaler()
+    if _update_pending:
+        # one update() after all the optimizer steps that followed the previous backward (several optimizers
+        # stepped on one loss must be unscaled with the same scale)
+        scaler.update()
+        _update_pending = False
+    return scaler.scale(loss)
 
 
 def unscale_(optimizer) -> None:
@@ -197,23 +207,31 @@ def unscale_(optimizer) -> None:
 
 
 def optimizer_step(optimizer, *args, **kwargs):
-    """``optimizer.step()``, through autotune's GradScaler (step + update) under fp16."""
+    """``optimizer.step()``, through autotune's GradScaler under fp16 (its update() comes with the next scale())."""
+    global _update_pending
     if not _fp16_injected():
         return optimizer.step(*args, **kwargs)
-    scaler = _scaler()
-    result = scaler.step(optimizer, *args, **kwargs)
-    scaler.update()
+    result = _scaler().step(optimizer, *args, **kwargs)
+    _update_pending = True
     return result
 
 
 # --- backend_flags -----------------------------------------------------------------------------------------
 
 
-def backend_flags() -> None:
-    """Set the TF32, matmul-precision and cuDNN flags the knobs ask for; touch nothing by default."""
-    tf32 = knob("backend_flags.tf32", False)
-    precision = knob("backend_flags.matmul_precision", "highest")
-    benchmark = knob("backend_flags.cudnn_benchmark", False)
+def backend_flags(script_sets: tuple[str, ...] = ()) -> None:
+    """Set the TF32, matmul-precision and cuDNN flags the knobs ask for; touch nothing by default.
+
+    ``script_sets`` names the flags the script sets itself ("tf32", "matmul_precision", "cudnn_benchmark"):
+    those stay as the script wrote them, whatever the config says.
+    """
+
+    def setting(name: str, default: Any) -> Any:
+        return default if name in script_sets else knob(f"backend_flags.{name}", default)
+
+    tf32 = setting("tf32", False)
+    precision = setting("matmul_precision", "highest")
+    benchmark = setting("cudnn_benchmark", False)
     if not (tf32 or benchmark or precision != "highest"):
         return
     import torch
@@ -306,7 +324,8 @@ def allocator_env() -> None:
     """Add ``expandable_segments:True`` to PYTORCH_CUDA_ALLOC_CONF; must run before torch initialises CUDA."""
     if not knob("allocator.expandable_segments", False):
         return
-    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    # torch reads PYTORCH_CUDA_ALLOC_CONF in place of PYTORCH_ALLOC_CONF when both are set: merge with the one in use
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
     if "expandable_segments" not in current:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
 
