@@ -1,0 +1,167 @@
+"""backend_flags: TF32, float32 matmul precision and cuDNN autotuning, set once after the entry script's imports."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform, stmt
+
+# What each spelling decides: setting the matmul precision also decides TF32 for CUDA matmuls, and the reverse.
+ASSIGNED = {
+    "torch.backends.cuda.matmul.allow_tf32": ("tf32", "matmul_precision"),
+    "torch.backends.cuda.matmul.fp32_precision": ("tf32", "matmul_precision"),
+    "torch.backends.fp32_precision": ("tf32", "matmul_precision"),
+    "torch.backends.cudnn.allow_tf32": ("tf32",),
+    "torch.backends.cudnn.fp32_precision": ("tf32",),
+    "torch.backends.cudnn.conv.fp32_precision": ("tf32",),
+    "torch.backends.cudnn.rnn.fp32_precision": ("tf32",),
+    "torch.backends.mkldnn.matmul.fp32_precision": ("matmul_precision",),
+    "torch.backends.mkldnn.fp32_precision": ("matmul_precision",),
+    "torch.backends.cudnn.benchmark": ("cudnn_benchmark",),
+}
+CALLED = {"torch.set_float32_matmul_precision": ("tf32", "matmul_precision")}
+# literal values that turn the faster mode on (PRESENT); any other value is the user's choice (USER)
+FASTER = {"True", "high", "medium", "tf32", "bf16"}
+FLAGS = ("tf32", "matmul_precision", "cudnn_benchmark")
+
+
+class BackendFlags(Transform):
+    """Allow TF32, lower the float32 matmul precision and let cuDNN benchmark its algorithms."""
+
+    name = "backend_flags"
+    entry_only = True
+    knobs = (
+        Knob(
+            "backend_flags.tf32",
+            (False, True),
+            False,
+            Numerics.LOWP,
+            frozenset({"cuda"}),
+            help="TF32 tensor cores for float32 matmuls and convolutions (10-bit mantissa inputs)",
+        ),
+        Knob(
+            "backend_flags.matmul_precision",
+            ("highest", "high", "medium"),
+            "highest",
+            Numerics.LOWP,
+            frozenset({"cpu", "cuda"}),
+            help="torch.set_float32_matmul_precision: high allows TF32, medium bf16 (also on CPUs whose oneDNN "
+            "has bf16 matmuls)",
+        ),
+        Knob(
+            "backend_flags.cudnn_benchmark",
+            (False, True),
+            False,
+            Numerics.REORDER,
+            frozenset({"cuda"}),
+            help="cudnn.benchmark: time the convolution algorithms for each input shape and keep the fastest",
+        ),
+    )
+
+    def __init__(self, project, mode) -> None:
+        super().__init__(project, mode)
+        self._script_sets: set[str] = set()
+
+    def knobs_read(self) -> tuple[Knob, ...]:
+        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] not in self._script_sets)
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        if any(facts.is_runtime_call(c, "backend_flags") for c in facts.calls):
+            self.report(facts, next(c for c in facts.calls if facts.is_runtime_call(c, "backend_flags")), Status.PRESENT,
+                        "backend flags are already knobs")
+            return
+        if not self.project.loops:
+            self.report(facts, facts.module, Status.NOT_APPLICABLE, "no training loop: the flags would speed up nothing")
+            return
+        for module in self.project.modules:
+            self._script_flags(module)
+        missing = [f for f in FLAGS if f not in self._script_sets]
+        if not missing:
+            return
+        anchor = _last_import(facts)
+        self.report(facts, anchor, Status.APPLICABLE, f"sets {', '.join(missing)} once after the imports")
+        if self.mode.gated:
+            skip = tuple(f for f in FLAGS if f in self._script_sets)
+            args = f"script_sets=({', '.join(map(_quoted, skip))}{',' if len(skip) == 1 else ''})" if skip else ""
+            code = [f"{edits.runtime('backend_flags')}({args})"]
+        else:
+            torch = _torch_name(facts, edits)
+            code = []
+            for setting in missing:
+                value = self.mode.value(self.knob(setting))
+                if value == self.knob(setting).default:
+                    continue
+                if setting == "tf32":
+                    code += [f"{torch}.backends.cuda.matmul.allow_tf32 = True", f"{torch}.backends.cudnn.allow_tf32 = True"]
+                elif setting == "matmul_precision":
+                    code.append(f'{torch}.set_float32_matmul_precision("{value}")')
+                else:
+                    code.append(f"{torch}.backends.cudnn.benchmark = True")
+        if code:
+            lines = [stmt(c + "\n") for c in code]
+            lines[0] = lines[0].with_changes(leading_lines=[cst.EmptyLine()])
+            edits.after_imports(*lines)
+
+    def _script_flags(self, facts: ModuleFacts) -> None:
+        """Report each flag the script sets itself, in source order; those stay out of the knobs."""
+        found = []
+        for call in facts.calls:
+            qual = facts.qualname(call.func)
+            if qual in CALLED and call.args:
+                code = f"{facts.code(call.func)}({facts.code(call.args[0].value)})"
+                found.append((call, code, call.args[0].value, CALLED[qual]))
+        for assign in _assignments(facts):
+            for target in assign.targets:
+                qual = facts.qualname(target.target)
+                if qual in ASSIGNED:
+                    code = f"{facts.code(target.target)} = {facts.code(assign.value)}"
+                    found.append((assign, code, assign.value, ASSIGNED[qual]))
+        for node, code, value, flags in sorted(found, key=lambda f: facts.position(f[0])):
+            self._found(facts, node, code, value, flags)
+
+    def _found(self, facts: ModuleFacts, node: cst.CSTNode, code: str, value: cst.BaseExpression, flags) -> None:
+        self._script_sets.update(flags)
+        literal = value.value if isinstance(value, cst.Name) else getattr(value, "raw_value", None)
+        if literal in FASTER:
+            self.report(facts, node, Status.PRESENT, f"the script sets {code}")
+        else:
+            self.report(facts, node, Status.USER, f"the script sets {code}: its choice is kept")
+
+
+class _Assignments(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.found: list[cst.Assign] = []
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self.found.append(node)
+
+
+def _assignments(facts: ModuleFacts) -> list[cst.Assign]:
+    visitor = _Assignments()
+    facts.module.visit(visitor)
+    return visitor.found
+
+
+def _last_import(facts: ModuleFacts) -> cst.CSTNode:
+    """The last import of the module's top-level import block (where the flags go after), or the module."""
+    last: cst.CSTNode = facts.module
+    for s in facts.module.body:
+        if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
+            last = s.body[-1]
+        elif isinstance(s, cst.BaseCompoundStatement) and not isinstance(s, (cst.Try, cst.If)):
+            break
+    return last
+
+
+def _quoted(text: str) -> str:
+    return f'"{text}"'
+
+
+def _torch_name(facts: ModuleFacts, edits: Edits) -> str:
+    for alias, qual in facts.imports.items():
+        if qual == "torch":
+            return alias
+    edits.require_import("torch")
+    return "torch"
