@@ -1,0 +1,178 @@
+"""allocator: expandable_segments for the CUDA caching allocator, set before torch is imported."""
+
+from __future__ import annotations
+
+import sys
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform, stmt
+
+ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads the first when both are set
+SETTERS = ("setdefault", "putenv", "update", "__setitem__")
+SETTING_CALLS = {"torch.cuda.memory._set_allocator_settings", "torch._C._accelerator_setAllocatorSettings"}
+
+
+class Allocator(Transform):
+    """Let the CUDA caching allocator grow expandable segments instead of fragmenting fixed ones."""
+
+    name = "allocator"
+    entry_only = True
+    devices = frozenset({"cuda"})
+    knobs = (
+        Knob(
+            "allocator.expandable_segments",
+            (False, True),
+            False,
+            Numerics.EXACT,
+            frozenset({"cuda"}),
+            help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (merged with any allocator settings already set): "
+            "less fragmentation, fewer cudaMalloc calls when shapes vary",
+        ),
+    )
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        patched = next((c for c in facts.calls if facts.is_runtime_call(c, "allocator_env")), None)
+        if patched is not None:
+            self.report(facts, patched, Status.PRESENT, "the allocator setting is already a knob")
+            return
+        if not self.project.loops:
+            self.report(facts, facts.module, Status.NOT_APPLICABLE, "no training loop: no CUDA memory to tune")
+            return
+        present = False
+        for module in self.project.modules:
+            for node, text in _script_settings(module):
+                present = True
+                if "expandable_segments:true" in text.lower():
+                    self.report(module, node, Status.PRESENT, "the script turns on expandable_segments itself")
+                else:
+                    self.report(module, node, Status.USER, "the script sets the allocator configuration itself")
+        if present:
+            return
+        anchor = _first_import(facts)
+        self.report(facts, anchor, Status.APPLICABLE, "allocator setting goes before the first import")
+        if self.mode.gated:
+            edits.prelude(stmt(f"{edits.runtime('allocator_env')}()\n"))
+            return
+        if not self.mode.value(self.knobs[0]):
+            return
+        var = _free_name(facts, "_alloc_conf")
+        code = [
+            f'{var} = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))\n',
+            f'if "expandable_segments" not in {var}:\n'
+            f'    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [{var}, "expandable_segments:True"]))\n',
+        ]
+        lines = [stmt(c) for c in code]
+        lines[0] = lines[0].with_changes(
+            leading_lines=[
+                cst.EmptyLine(),
+                cst.EmptyLine(comment=cst.Comment("# merged with any allocator settings the environment has")),
+            ]
+        )
+        early_os = _early_os_import(facts)
+        if early_os is not None:
+            edits.insert_after(early_os, *lines)
+        else:
+            edits.prelude(stmt("import os\n"), *lines)
+
+
+def _script_settings(facts: ModuleFacts):
+    """(node, text) for each place the script writes the allocator configuration."""
+    for call in facts.calls:
+        if facts.qualname(call.func) in SETTING_CALLS:
+            yield call, facts.code(call)
+    for node in _strings(facts):
+        if node.evaluated_value not in ENV_NAMES:
+            continue
+        line = facts.statement_of(node)
+        written = False
+        for anc in facts.ancestors(node):
+            if anc is line:
+                break
+            if isinstance(anc, cst.AssignTarget):
+                written = True
+            if isinstance(anc, cst.Call) and isinstance(anc.func, cst.Attribute) and anc.func.attr.value in SETTERS:
+                written = True
+        if written:
+            yield node, facts.code(line)
+
+
+class _Strings(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.found: list[cst.SimpleString] = []
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        self.found.append(node)
+
+
+def _strings(facts: ModuleFacts) -> list[cst.SimpleString]:
+    visitor = _Strings()
+    facts.module.visit(visitor)
+    return visitor.found
+
+
+def _top_imports(facts: ModuleFacts):
+    for s in facts.module.body:
+        if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
+            yield s
+
+
+def _first_import(facts: ModuleFacts) -> cst.CSTNode:
+    for line in _top_imports(facts):
+        if not any(isinstance(x, cst.ImportFrom) and _imported(x) == ["__future__"] for x in line.body):
+            return line.body[0]
+    return facts.module
+
+
+def _early_os_import(facts: ModuleFacts) -> cst.SimpleStatementLine | None:
+    """A top-level ``import os`` line that only standard-library imports precede: torch cannot be loaded yet."""
+    for s in facts.module.body:
+        if not (isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body)):
+            if _is_docstring_or_future(s):
+                continue
+            return None
+        for small in s.body:
+            for module in _imported(small):
+                if module.split(".")[0] not in sys.stdlib_module_names:
+                    return None
+        if len(s.body) == 1 and isinstance(s.body[0], cst.Import) and any(
+            a.asname is None and _dotted(a.name) == "os" for a in s.body[0].names
+        ):
+            return s
+    return None
+
+
+def _is_docstring_or_future(s: cst.BaseStatement) -> bool:
+    return (
+        isinstance(s, cst.SimpleStatementLine)
+        and len(s.body) == 1
+        and isinstance(s.body[0], cst.Expr)
+        and isinstance(s.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+def _imported(small: cst.BaseSmallStatement) -> list[str]:
+    if isinstance(small, cst.Import):
+        return [_dotted(a.name) for a in small.names]
+    if isinstance(small, cst.ImportFrom):
+        if small.relative or small.module is None:
+            return ["."]  # a local module: it may import torch
+        return [_dotted(small.module)]
+    return []
+
+
+def _dotted(node: cst.BaseExpression) -> str:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return f"{_dotted(node.value)}.{node.attr.value}"
+    return ""
+
+
+def _free_name(facts: ModuleFacts, name: str) -> str:
+    used = {n.value for n in facts._enter if isinstance(n, cst.Name)}
+    while name in used:
+        name += "_"
+    return name
