@@ -1,0 +1,71 @@
+"""Helpers for the per-transform tests: patch or bake one fixture case, run it, and compare per-step losses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from loss_probe import run_probe
+
+from autotune.analysis import load_project
+from autotune.patch import run, select
+from autotune.transform import Mode, Site, Status
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "transforms"
+TIMEOUT = 240
+
+
+def case(transform: str, name: str) -> Path:
+    return FIXTURES / transform / f"{name}.in.py"
+
+
+def sites(transform: str, name: str) -> list[Site]:
+    return list(run(load_project(case(transform, name)), select([transform]), hooks=False).sites)
+
+
+def statuses(transform: str, name: str) -> list[Status]:
+    return [s.status for s in sites(transform, name)]
+
+
+def patched(transform: str, name: str, mode: Mode = Mode()) -> str:
+    """The gated (or, with ``mode``, baked) text of a single-file case."""
+    result = run(load_project(case(transform, name)), select([transform]), mode, hooks=False)
+    (file,) = result.files
+    return file.new_text
+
+
+def baked(transform: str, name: str, knobs: Mapping[str, Any], device: str = "cpu") -> str:
+    return patched(transform, name, Mode(values=dict(knobs), device=device))
+
+
+def losses(
+    tmp: Path,
+    label: str,
+    text: str,
+    knobs: Mapping[str, Any] | None = None,
+    args: Sequence[str] = (),
+    steps: int = 6,
+    device: str = "cpu",
+) -> list[str]:
+    """Per-step losses (hex) of ``text`` run as a script in ``tmp``, under ``AUTOTUNE_CONFIG`` when ``knobs`` is given.
+
+    Asserts that the script reached ``steps`` backward calls and that every loss is finite.
+    """
+    script = tmp / f"{label}.py"
+    script.write_text(text, encoding="utf-8")
+    env: dict[str, str | None] = {"AUTOTUNE_CONFIG": None, "AUTOTUNE_TRIAL": None}
+    if knobs is not None:
+        config = tmp / f"{label}.yaml"
+        config.write_text(yaml.safe_dump({"device": device, "knobs": dict(knobs)}), encoding="utf-8")
+        env["AUTOTUNE_CONFIG"] = str(config)
+    out = run_probe(script, list(args), steps=steps, out=tmp / f"{label}.json", env=env, cwd=tmp, timeout=TIMEOUT)
+    assert len(out) == steps, f"{label}: {len(out)} losses, expected {steps}"
+    assert all(math.isfinite(float.fromhex(v)) for v in out), f"{label}: non-finite loss in {out}"
+    return out
+
+
+def original(tmp: Path, transform: str, name: str, args: Sequence[str] = (), steps: int = 6) -> list[str]:
+    return losses(tmp, "original", case(transform, name).read_text(encoding="utf-8"), args=args, steps=steps)
