@@ -1,0 +1,101 @@
+"""channels_last: convolutional models and their 4-D batches switch to NHWC behind a knob."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from transform_cases import baked, losses, original, patched, sites, statuses
+
+from autotune import runtime
+from autotune.transform import Status
+
+T = "channels_last"
+A, P, N = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("cnn_to_device", [A, A]),  # the model, then its input
+        ("sequential_loop_input", [A, A]),
+        ("train_step_param", [A, A]),
+        ("torchvision_model", [A, A]),
+        ("already_channels_last", [P, P]),
+        ("no_conv", [N]),
+        ("inference_only", [N]),
+    ],
+)
+def test_sites(name, expected):
+    assert statuses(T, name) == expected
+
+
+def test_reasons():
+    assert [s.reason for s in sites(T, "train_step_param")] == [
+        "create_model() has 2-D convolutions",  # a factory returning a local module with conv layers in blocks
+        "input images of model (converted when 4-D)",
+    ]
+    assert [s.reason for s in sites(T, "no_conv")] == ["MLP has no 2-D convolutions"]
+    assert [s.reason for s in sites(T, "inference_only")] == ["model is not trained in a training loop"]
+
+
+def test_conversion_follows_the_device_move_and_the_batch_copy():
+    text = patched(T, "train_step_param")
+    assert "    model.to(device)\n    model = _autotune.channels_last(model)\n" in text
+    assert '"""One optimisation step on one batch."""\n    images = _autotune.channels_last(images)\n' in text
+    text = patched(T, "cnn_to_device")
+    assert (
+        "images, labels = images.to(device), labels.to(device)\n"
+        "            images = _autotune.channels_last(images)\n" in text
+    )
+
+
+@pytest.fixture
+def knob(tmp_path, monkeypatch):
+    def set_value(value):
+        path = tmp_path / "knobs.yaml"
+        path.write_text(yaml.safe_dump({"knobs": {"channels_last.enabled": value}}))
+        monkeypatch.setenv(runtime.CONFIG_ENV, str(path))
+        runtime.reset()
+
+    yield set_value
+    runtime.reset()
+
+
+def test_runtime_converts_modules_and_4d_tensors_only(knob):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 2))
+    x4, x3 = torch.randn(2, 3, 8, 8), torch.randn(3, 8, 8)
+    knob(False)
+    assert runtime.channels_last(model) is model
+    assert runtime.channels_last(x4) is x4
+    knob(True)
+    assert runtime.channels_last(model)[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    y = runtime.channels_last(x4)
+    assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, x4)
+    assert runtime.channels_last(x3) is x3
+    assert runtime.channels_last("not a tensor") == "not a tensor"
+
+
+CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CPU_CASES)
+def test_losses(tmp_path, name):
+    base = original(tmp_path, T, name)
+    gated = patched(T, name)
+    assert losses(tmp_path, "default", gated) == base
+    knobs = {"channels_last.enabled": True}
+    on = losses(tmp_path, "on", gated, knobs)  # reorder numerics: finite, not necessarily equal to the original
+    assert losses(tmp_path, "baked", baked(T, name, knobs)) == on
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CPU_CASES)
+def test_losses_on_cuda(tmp_path, name):
+    gated = patched(T, name)
+    knobs = {"channels_last.enabled": True}
+    on = losses(tmp_path, "on", gated, knobs, device="cuda")
+    assert losses(tmp_path, "baked", baked(T, name, knobs, device="cuda")) == on
