@@ -1,0 +1,231 @@
+"""dataloader: workers, pinned memory, persistent workers and prefetching as knobs, never an illegal combination."""
+
+from __future__ import annotations
+
+import itertools
+import types
+import warnings
+
+import libcst as cst
+import pytest
+import torch
+import yaml
+from torch.utils.data import DataLoader, TensorDataset
+from transform_cases import baked, case, losses, original, patched, sites, statuses
+
+from autotune import runtime
+from autotune.analysis import load_project
+from autotune.patch import run, select
+from autotune.transform import Status
+from autotune.transforms.dataloader import SETTINGS, Dataloader
+
+T = "dataloader"
+A, U, N = Status.APPLICABLE, Status.USER, Status.NOT_APPLICABLE
+KNOBS = {k.name: k for k in Dataloader.knobs}
+DATASET = TensorDataset(torch.arange(8.0))
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("plain", [A]),
+        ("user_workers", [A]),
+        ("user_zero_workers", [A]),
+        ("batch_sampler", [A]),
+        ("all_set", [U]),
+        ("kwargs_splat", [N]),
+        ("lookalike", []),  # a local class named DataLoader
+        ("no_training_loop", [N]),
+    ],
+)
+def test_sites(name, expected):
+    assert statuses(T, name) == expected
+
+
+def test_reasons():
+    assert sites(T, "user_workers")[0].reason == (
+        "DataLoader: pin_memory, persistent_workers, prefetch_factor become knobs; num_workers=args.workers kept as written"
+    )
+    assert sites(T, "user_zero_workers")[0].reason == "DataLoader: pin_memory becomes a knob; num_workers=0 kept as written"
+    assert sites(T, "kwargs_splat")[0].reason == "**CONFIG may set the loader settings"
+
+
+def test_the_knob_table_lists_only_knobs_that_can_change_something():
+    def knob_names(name):
+        return [k.name for k in run(load_project(case(T, name)), select([T]), hooks=False).knobs]
+
+    assert knob_names("plain") == sorted(KNOBS)
+    assert knob_names("user_zero_workers") == ["dataloader.pin_memory"]
+    assert "dataloader.num_workers" not in knob_names("user_workers")
+
+
+# --- the runtime helper -----------------------------------------------------------------------------------
+
+ABSENT = object()
+SCRIPT_VALUES = {
+    "num_workers": [ABSENT, 0, 2],
+    "pin_memory": [ABSENT, False, True],
+    "persistent_workers": [ABSENT, False, True],
+    "prefetch_factor": [ABSENT, None, 4],
+}
+KNOB_VALUES = {
+    "dataloader.num_workers": [0, 2],
+    "dataloader.pin_memory": [False, True],
+    "dataloader.persistent_workers": [False, True],
+    "dataloader.prefetch_factor": [2, 8],
+}
+
+
+def _legal(kwargs) -> bool:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            DataLoader(DATASET, **kwargs)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.fixture
+def set_knobs(tmp_path, monkeypatch):
+    def apply(values):
+        path = tmp_path / "knobs.yaml"
+        path.write_text(yaml.safe_dump({"knobs": values}))
+        monkeypatch.setenv(runtime.CONFIG_ENV, str(path))
+        runtime.reset()
+
+    yield apply
+    runtime.reset()
+
+
+def test_dataloader_kwargs_every_combination(set_knobs):
+    checked = 0
+    for knob_values in itertools.product(*KNOB_VALUES.values()):
+        knobs = dict(zip(KNOB_VALUES, knob_values))
+        set_knobs(knobs)
+        for script_values in itertools.product(*SCRIPT_VALUES.values()):
+            script = {k: v for k, v in zip(SCRIPT_VALUES, script_values) if v is not ABSENT}
+            out = runtime.dataloader_kwargs(**script)
+            context = f"script {script}, knobs {knobs} -> {out}"
+            # what the script wrote is passed on as written
+            assert {k: out[k] for k in script} == script, context
+            # a legal call stays legal, whatever the knobs say
+            if _legal(script):
+                assert _legal(out), context
+            workers = out.get("num_workers", 0)
+            if workers == 0:
+                assert "prefetch_factor" not in out or "prefetch_factor" in script, context
+                assert not out.get("persistent_workers") or "persistent_workers" in script, context
+            # the knobs decide what the script left out
+            if "num_workers" not in script:
+                assert workers == knobs["dataloader.num_workers"], context
+            if "pin_memory" not in script:
+                assert out.get("pin_memory", False) == knobs["dataloader.pin_memory"], context
+            if "persistent_workers" not in script:
+                assert out.get("persistent_workers", False) == (knobs["dataloader.persistent_workers"] and workers > 0)
+            if "prefetch_factor" not in script and workers > 0:
+                assert out.get("prefetch_factor", 2) == knobs["dataloader.prefetch_factor"], context
+            assert set(out) <= set(SETTINGS), context
+            checked += 1
+    assert checked == 16 * 81
+
+
+def test_dataloader_kwargs_defaults_add_nothing(set_knobs):
+    set_knobs({})
+    assert runtime.dataloader_kwargs() == {}
+    assert runtime.dataloader_kwargs(num_workers=3) == {"num_workers": 3}
+
+
+# --- baked code ---------------------------------------------------------------------------------------------
+
+
+def _baked_settings(text: str, workers: int) -> dict:
+    """The loader settings a baked script passes, evaluated with ``args.workers == workers``."""
+    module = cst.parse_module(text)
+    found = []
+
+    class Finder(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if module.code_for_node(node.func).endswith("DataLoader"):
+                found.append(node)
+
+    module.visit(Finder())
+    (call,) = found
+    env = {"args": types.SimpleNamespace(workers=workers)}
+    return {
+        a.keyword.value: eval(module.code_for_node(a.value), env)  # noqa: S307 - our own generated literals
+        for a in call.args
+        if a.keyword is not None and a.keyword.value in SETTINGS
+    }
+
+
+ALL_VALUES = list(itertools.product(*(k.choices for k in Dataloader.knobs)))
+DEFAULTS = {("num_workers", 0), ("pin_memory", False), ("persistent_workers", False), ("prefetch_factor", None)}
+
+
+def case_text(name: str) -> str:
+    return case(T, name).read_text()
+
+
+@pytest.mark.parametrize("name", ["plain", "user_workers", "user_zero_workers"])
+def test_baked_calls_are_legal_and_match_the_runtime(name, set_knobs):
+    for values in ALL_VALUES:
+        knobs = dict(zip(KNOBS, values))
+        text = baked(T, name, knobs, device="cuda")
+        set_knobs(knobs)
+        for workers in (0, 2):
+            settings = _baked_settings(text, workers)
+            assert _legal(settings), (knobs, settings)
+            expected = runtime.dataloader_kwargs(**_baked_settings(case_text(name), workers))
+            # baked code writes plain values only where they differ from DataLoader's own defaults
+            normal = {k: v for k, v in settings.items() if (k, v) not in DEFAULTS}
+            assert normal == {k: v for k, v in expected.items() if (k, v) not in DEFAULTS}, (knobs, workers)
+
+
+def test_defaults_bake_nothing():
+    defaults = {k.name: k.default for k in Dataloader.knobs}
+    assert baked(T, "plain", defaults) == case_text("plain")
+
+
+# --- running it ---------------------------------------------------------------------------------------------
+
+# Every value of every knob that runs on the CPU appears at least once (pin_memory is for CUDA).
+CPU_CONFIGS = [
+    {"dataloader.num_workers": 1},
+    {"dataloader.num_workers": 2, "dataloader.persistent_workers": True, "dataloader.prefetch_factor": 4},
+    {"dataloader.num_workers": 4, "dataloader.prefetch_factor": 8},
+    {"dataloader.num_workers": 8},
+    {"dataloader.num_workers": 16, "dataloader.persistent_workers": True},
+]
+
+
+@pytest.mark.slow
+def test_losses_plain(tmp_path):
+    base = original(tmp_path, T, "plain")
+    gated = patched(T, "plain")
+    assert losses(tmp_path, "default", gated) == base
+    for i, knobs in enumerate(CPU_CONFIGS):
+        on = losses(tmp_path, f"on{i}", gated, knobs)
+        assert losses(tmp_path, f"baked{i}", baked(T, "plain", knobs)) == on == base, knobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_losses_with_the_scripts_own_workers(tmp_path, workers):
+    args = ["--workers", workers]
+    base = original(tmp_path, T, "user_workers", args)
+    gated = patched(T, "user_workers")
+    assert losses(tmp_path, "default", gated, args=args) == base
+    knobs = {"dataloader.persistent_workers": True, "dataloader.prefetch_factor": 8}
+    on = losses(tmp_path, "on", gated, knobs, args=args)
+    assert losses(tmp_path, "baked", baked(T, "user_workers", knobs), args=args) == on == base
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_pinned_memory_on_cuda(tmp_path):
+    base = original(tmp_path, T, "user_zero_workers")
+    gated = patched(T, "user_zero_workers")
+    knobs = {"dataloader.pin_memory": True}
+    on = losses(tmp_path, "on", gated, knobs, device="cuda")
+    assert losses(tmp_path, "baked", baked(T, "user_zero_workers", knobs, device="cuda")) == on == base

@@ -1,0 +1,160 @@
+"""dataloader: tune DataLoader worker processes, pinned memory, persistent workers and prefetching."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform, add_args, kwarg, star_kwargs
+
+_DATALOADER = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
+SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+# DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, ...): the sixth positional argument
+# and those after it would be settings passed by position.
+_POSITIONAL_SETTINGS = 5
+
+
+class Dataloader(Transform):
+    """Load batches in worker processes, into pinned memory, with persistent workers and deeper prefetching."""
+
+    name = "dataloader"
+    knobs = (
+        Knob(
+            "dataloader.num_workers",
+            (0, 1, 2, 4, 8, 16),
+            0,
+            Numerics.EXACT,
+            help="worker processes that load batches (0: in the training process); random augmentations in "
+            "workers draw from per-worker seeds",
+        ),
+        Knob(
+            "dataloader.pin_memory",
+            (False, True),
+            False,
+            Numerics.EXACT,
+            devices=frozenset({"cuda"}),
+            help="batches in page-locked memory: faster, asynchronous host-to-device copies",
+        ),
+        Knob(
+            "dataloader.persistent_workers",
+            (False, True),
+            False,
+            Numerics.EXACT,
+            help="keep the workers alive between epochs (only with workers)",
+        ),
+        Knob(
+            "dataloader.prefetch_factor",
+            (2, 4, 8),
+            2,
+            Numerics.EXACT,
+            help="batches each worker loads ahead (only with workers; 2 is DataLoader's own default)",
+        ),
+    )
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._read: set[str] = set()  # the settings some gated call leaves to the knobs
+
+    def knobs_read(self) -> tuple[Knob, ...]:
+        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self._read)
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        for call in facts.calls:
+            if facts.qualname(call.func) not in _DATALOADER:
+                continue
+            if not self.project.loops:
+                self.report(facts, call, Status.NOT_APPLICABLE, "no training loop in this script")
+                continue
+            if any(facts.is_runtime_call(a.value, "dataloader_kwargs") for a in call.args if a.star == "**"):
+                self.report(facts, call, Status.PRESENT, "DataLoader settings are already knobs")
+                continue
+            splat = next((a for a in call.args if a.star), None)
+            if splat is not None:
+                self.report(
+                    facts, call, Status.NOT_APPLICABLE, f"{splat.star}{facts.code(splat.value)} may set the loader settings"
+                )
+                continue
+            if len([a for a in call.args if a.keyword is None]) > _POSITIONAL_SETTINGS:
+                self.report(facts, call, Status.NOT_APPLICABLE, "DataLoader settings passed by position")
+                continue
+            written = {a.keyword.value: a for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
+            kept = ", ".join(f"{n}={facts.code(a.value)}" for n, a in written.items())
+            if len(written) == len(SETTINGS):
+                self.report(facts, call, Status.USER, f"DataLoader({kept}) is the script's choice")
+                continue
+            free = [n for n in SETTINGS if n not in written and self._matters(n, written)]
+            verb = "becomes a knob" if len(free) == 1 else "become knobs"
+            reason = f"DataLoader: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "")
+            self.report(facts, call, Status.APPLICABLE, reason)
+            if self.mode.gated:
+                self._read.update(free)
+                helper = edits.runtime("dataloader_kwargs")
+                moved = set(written)
+                edits.rewrite(call, lambda node, moved=moved, helper=helper: _moved(node, moved, helper))
+            else:
+                extra = self._baked(facts, written)
+                if extra:
+                    edits.rewrite(call, lambda node, extra=extra: add_args(node, *extra))
+
+    @staticmethod
+    def _matters(name: str, written: dict[str, cst.Arg]) -> bool:
+        """Whether the knob for ``name`` can change this call: workers-only settings need workers."""
+        if name in ("persistent_workers", "prefetch_factor") and "num_workers" in written:
+            value = written["num_workers"].value
+            return not (isinstance(value, cst.Integer) and int(value.value) == 0)
+        return True
+
+    def _baked(self, facts: ModuleFacts, written: dict[str, cst.Arg]) -> list[cst.Arg]:
+        """Plain keyword arguments for the values that differ from DataLoader's defaults, and legal together."""
+        workers, pin, persistent, prefetch = (self.mode.value(k) for k in self.knobs)
+        out = []
+        # `when`: None if the loader never has workers, "" if it always does, else the script's worker count
+        if "num_workers" in written:
+            value = written["num_workers"].value
+            if isinstance(value, cst.Integer):
+                when = "" if int(value.value) > 0 else None
+            else:
+                when = facts.code(value)
+        else:
+            when = "" if workers else None
+            if workers:
+                out.append(kwarg("num_workers", str(workers)))
+        if pin and "pin_memory" not in written:
+            out.append(kwarg("pin_memory", "True"))
+        if persistent and "persistent_workers" not in written and when is not None:
+            out.append(kwarg("persistent_workers", f"bool({when})" if when else "True"))
+        if prefetch != 2 and "prefetch_factor" not in written and when is not None:
+            out.append(kwarg("prefetch_factor", f"{prefetch} if {when} else None" if when else str(prefetch)))
+        return out
+
+
+def _moved(call: cst.Call, moved: set[str], helper: str) -> cst.Call:
+    """``call`` whose settings named in ``moved`` move, as written, into ``**helper(...)`` appended last."""
+    args = list(call.args)
+    taken = [a for a in args if a.keyword is not None and a.keyword.value in moved]
+    keep = [a for a in args if a not in taken]
+    if keep and keep[-1] is not args[-1]:
+        keep[-1] = keep[-1].with_changes(comma=args[-1].comma)  # the last argument's comma (trailing or none)
+    inner = cst.Call(func=cst.parse_expression(helper), args=[kwarg(a.keyword.value, a.value) for a in taken])
+    inner = inner.with_changes(
+        args=[a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))) for a in inner.args[:-1]]
+        + list(inner.args[-1:])
+    )
+    out = add_args(call.with_changes(args=keep), star_kwargs(inner))
+    comments = [c for a in taken if (c := _comment(a.comma)) is not None]
+    last = out.args[-1]
+    if comments and _comment(last.comma) is None and isinstance(last.comma, cst.Comma):
+        space = last.comma.whitespace_after
+        if isinstance(space, cst.ParenthesizedWhitespace):  # one argument per line: the comments follow the values
+            line = space.first_line.with_changes(whitespace=cst.SimpleWhitespace("  "), comment=comments[0])
+            comma = last.comma.with_changes(whitespace_after=space.with_changes(first_line=line))
+            out = out.with_changes(args=[*out.args[:-1], last.with_changes(comma=comma)])
+    return out
+
+
+def _comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comment | None:
+    """The comment at the end of the line an argument's comma ends."""
+    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
+        return comma.whitespace_after.first_line.comment
+    return None
