@@ -347,6 +347,7 @@ class _Trial:
         self.warmup = int(spec.get("warmup", 2))
         self.steps = int(spec.get("steps", 10))
         self.result_path = Path(spec["result"])
+        self.parent_pid: int | None = spec.get("parent_pid")
         self.started = time.perf_counter()
         self.count = 0
         self.stamps: list[float] = []
@@ -355,6 +356,9 @@ class _Trial:
         self.written = False
         self.first_step_at: float | None = None
         self.window_start: float | None = None
+        if self.warmup <= 0:  # no warm-up: the window opens now
+            self.window_start = self.started
+            self.stamps.append(self.started)
 
     def _sync(self) -> None:
         torch = sys.modules.get("torch")
@@ -394,11 +398,14 @@ class _Trial:
         try:
             import resource
 
-            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_max_rss"
+            rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            return (rss if sys.platform == "darwin" else rss * 1024), "cpu_max_rss"  # bytes on macOS, KiB elsewhere
         except ImportError:  # pragma: no cover - not on Linux/macOS
             return None, "unknown"
 
-    def write(self, status: str, error: str | None = None, error_type: str | None = None) -> None:
+    def write(
+        self, status: str, error: str | None = None, error_type: str | None = None, error_types: tuple[str, ...] = ()
+    ) -> None:
         if self.written:
             return
         self.written = True
@@ -415,6 +422,7 @@ class _Trial:
             "warmup": self.warmup,
             "steps": self.steps,
             "warmup_s": (self.window_start - self.started) if self.window_start else None,
+            "first_step_s": (self.first_step_at - self.started) if self.first_step_at else None,
             "window_s": window,
             "step_times": step_times,
             "losses": losses,
@@ -423,6 +431,7 @@ class _Trial:
             "peak_memory_kind": peak_kind,
             "error": error,
             "error_type": error_type,
+            "error_types": list(error_types),  # qualified names along the exception's MRO: oom, compile errors
         }
         tmp = self.result_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result), encoding="utf-8")
@@ -437,12 +446,30 @@ def _start_trial() -> _Trial | None:
     previous_hook = sys.excepthook
 
     def hook(exc_type, exc, tb):
-        trial.write("error", error=f"{exc_type.__name__}: {exc}", error_type=exc_type.__name__)
+        names = tuple(f"{t.__module__}.{t.__qualname__}" for t in exc_type.__mro__)
+        trial.write("error", error=f"{exc_type.__name__}: {exc}", error_type=exc_type.__name__, error_types=names)
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = hook
     atexit.register(lambda: trial.write("short", error=f"script ended after {trial.count} steps"))
+    if trial.parent_pid is not None:
+        _watch_parent(trial.parent_pid)
     return trial
+
+
+def _watch_parent(pid: int) -> None:
+    """End this trial, and whatever it started, as soon as the search that launched it is gone (even SIGKILLed)."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        # the trial runs in its own process group (the runner starts a new session): take the workers along
+        if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
+            os.killpg(os.getpgrp(), 9)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="autotune-parent-watch", daemon=True).start()
 
 
 _trial = _start_trial()
