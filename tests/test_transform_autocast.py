@@ -1,0 +1,270 @@
+"""autocast: what it finds, that each knob value trains on CPU, and that baking gives the patched script's losses."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from loss_probe import run_probe
+
+from autotune import runtime
+from autotune.analysis import load_project
+from autotune.knobs import Numerics
+from autotune.patch import run, select
+from autotune.transform import Mode, Status
+from autotune.transforms.autocast import Autocast
+
+T = "autocast"
+CASES = Path(__file__).resolve().parent.parent / "fixtures" / "transforms" / T
+
+
+def _case(name: str) -> Path:
+    return CASES / f"{name}.in.py"
+
+
+def _result(name: str, mode: Mode = Mode()):
+    return run(load_project(_case(name)), select([T]), mode, hooks=False)
+
+
+def _text(name: str, dtype: str | None = None) -> str:
+    mode = Mode() if dtype is None else Mode(values={"autocast.dtype": dtype}, device="cpu")
+    (file,) = _result(name, mode).files
+    return file.new_text
+
+
+def _losses(tmp: Path, label: str, text: str, steps: int, dtype: str | None = None) -> list[str]:
+    """Hex of each backward()'s loss when ``text`` runs as a script, under ``autocast.dtype: dtype`` if given."""
+    script = tmp / f"{label}.py"
+    script.write_text(text, encoding="utf-8")
+    env: dict[str, str | None] = {"AUTOTUNE_CONFIG": None, "AUTOTUNE_TRIAL": None}
+    if dtype is not None:
+        config = tmp / f"{label}.yaml"
+        config.write_text(yaml.safe_dump({"device": "cpu", "knobs": {"autocast.dtype": dtype}}), encoding="utf-8")
+        env["AUTOTUNE_CONFIG"] = str(config)
+    out = run_probe(script, steps=steps, out=tmp / f"{label}.json", env=env, cwd=tmp, timeout=240)
+    assert len(out) == steps, f"{label}: {len(out)} losses, expected {steps}"
+    assert all(math.isfinite(float.fromhex(v)) for v in out), f"{label}: non-finite loss in {out}"
+    return out
+
+
+# --- what it finds -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("basic", [Status.APPLICABLE]),
+        ("gan", [Status.APPLICABLE, Status.APPLICABLE]),
+        ("amp_scaler", [Status.PRESENT, Status.PRESENT, Status.PRESENT]),
+        ("bf16_no_scaler", [Status.PRESENT, Status.PRESENT]),
+        ("dtype_variable", [Status.PRESENT, Status.PRESENT]),
+        ("disabled_region", [Status.USER, Status.APPLICABLE]),
+        ("user_autocast_lookalike", [Status.APPLICABLE]),
+        ("zero_grad_after_forward", [Status.APPLICABLE]),
+        ("loss_in_backward", [Status.NOT_APPLICABLE]),
+        ("saliency_outside_loop", [Status.NOT_APPLICABLE]),
+        ("lbfgs_closure", [Status.NOT_APPLICABLE]),
+    ],
+)
+def test_sites(name, expected):
+    assert [s.status for s in _result(name).sites] == expected
+
+
+def test_reasons_name_what_the_script_uses():
+    reasons = [s.reason for s in _result("amp_scaler").sites]
+    assert reasons[0] == "the script autocasts (dtype=torch.float16); its dtype becomes the knob"
+    assert reasons[1] == "the script has torch.amp.GradScaler(...); it is turned off under bf16"
+    assert reasons[2].startswith("the loop already autocasts (") and reasons[2].endswith("amp_scaler.in.py:18)")
+    (inline,) = _result("loss_in_backward").sites
+    assert inline.reason == "the loss is computed in the backward() statement itself"
+    (outside,) = _result("saliency_outside_loop").sites
+    assert outside.reason == "backward() outside any training loop"
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16", "fp16"])
+def test_bf16_autocast_without_a_scaler_is_left_alone(dtype):
+    # already the optimization: fp16 would need a GradScaler added, for at best a small gain
+    result = _result("bf16_no_scaler", Mode() if dtype is None else Mode(values={"autocast.dtype": dtype}))
+    assert not result.changed and result.knobs == ()
+    assert result.sites[0].reason == "the script already autocasts in bf16, which needs no GradScaler"
+
+
+def test_knob_matches_the_runtime_contract():
+    (knob,) = Autocast.knobs
+    assert knob.name == "autocast.dtype"
+    assert knob.choices == ("default", "bf16", "fp16") and knob.default == "default"
+    assert knob.numerics is Numerics.LOWP and knob.devices == frozenset({"cpu", "cuda"})
+
+
+def test_a_present_autocast_still_puts_its_knob_in_the_table():
+    # the script's own autocast is reported as present, yet its dtype now reads the knob: autotune.yaml lists it
+    result = _result("amp_scaler")
+    assert Status.APPLICABLE not in {s.status for s in result.sites}
+    assert [k.name for k in result.knobs] == ["autocast.dtype"]
+    assert _result("loss_in_backward").knobs == ()
+
+
+def test_fp16_bake_updates_the_scaler_once_after_several_steps(tmp_path):
+    # one loss, two optimizers: both steps must unscale with the same scale, so one update() after them
+    source = _case("basic").read_text()
+    source = source.replace("        optimizer.step()\n", "        optimizer.step()\n        optimizer2.step()\n")
+    second = "optimizer2 = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    source = source.replace("criterion = nn.MSELoss()\n", "criterion = nn.MSELoss()\n" + second)
+    path = tmp_path / "two_optimizers.py"
+    path.write_text(source)
+    (file,) = run(load_project(path), select([T]), Mode(values={"autocast.dtype": "fp16"}), hooks=False).files
+    assert "scaler.step(optimizer)\n        scaler.step(optimizer2)\n        scaler.update()\n" in file.new_text
+
+
+def test_a_module_using_the_name_scaler_gets_another(tmp_path):
+    source = _case("basic").read_text().replace("criterion = nn.MSELoss()", "criterion = nn.MSELoss()\nscaler = 2.0")
+    path = tmp_path / "named.py"
+    path.write_text(source)
+    (file,) = run(load_project(path), select([T]), Mode(values={"autocast.dtype": "fp16"}), hooks=False).files
+    assert 'grad_scaler = torch.amp.GradScaler("cpu")' in file.new_text
+    assert "grad_scaler.scale(loss).backward()" in file.new_text
+
+
+# --- the runtime helpers, in process -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def knob_value(tmp_path, monkeypatch):
+    """Set autocast.dtype for the runtime of this process; the runtime's scaler starts fresh."""
+
+    def set_value(value: str) -> None:
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump({"device": "cpu", "knobs": {"autocast.dtype": value}}))
+        monkeypatch.setenv("AUTOTUNE_CONFIG", str(config))
+        runtime.reset()
+
+    monkeypatch.setattr(runtime, "_scaler_obj", None)
+    monkeypatch.setattr(runtime, "_update_pending", False)
+    yield set_value
+    runtime.reset()
+
+
+def test_runtime_default_changes_nothing(knob_value):
+    import torch
+
+    knob_value("default")
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert runtime.scale(loss) is loss
+    assert runtime.autocast_dtype(torch.float16) is torch.float16
+    assert runtime.scaler_enabled(True) is True and runtime.scaler_enabled(False) is False
+    with runtime.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    assert runtime._scaler_obj is None  # no GradScaler is ever built by default
+
+
+@pytest.mark.parametrize("value, dtype_name", [("bf16", "bfloat16"), ("fp16", "float16")])
+def test_runtime_autocast_runs_in_the_chosen_dtype(knob_value, value, dtype_name):
+    import torch
+
+    knob_value(value)
+    layer = torch.nn.Linear(4, 4)
+    with runtime.autocast():
+        out = layer(torch.randn(2, 4))
+    assert out.dtype is getattr(torch, dtype_name)
+    assert runtime.autocast_dtype(torch.float32) is getattr(torch, dtype_name)
+    assert runtime.scaler_enabled(True) is (value == "fp16")
+
+
+def test_runtime_fp16_unscales_before_clipping(knob_value):
+    import torch
+
+    knob_value("fp16")
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=1.0)
+    runtime.scale((w * torch.tensor([1.0, 2.0, 3.0])).sum()).backward()
+    assert w.grad.tolist() == [65536.0, 131072.0, 196608.0]  # scaled by the GradScaler's initial scale
+    runtime.unscale_(opt)
+    assert w.grad.tolist() == [1.0, 2.0, 3.0]
+    runtime.optimizer_step(opt)
+    assert w.detach().tolist() == [0.0, -1.0, -2.0]
+
+
+def test_runtime_fp16_steps_several_optimizers_with_one_scale(knob_value):
+    # the first optimizer's gradients overflow: its step is skipped and the scale halves, but only at the next
+    # scale(): the second optimizer, stepped after the same backward, must still be unscaled with 65536
+    import torch
+
+    knob_value("fp16")
+    a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    opt_a, opt_b = torch.optim.SGD([a], lr=1.0), torch.optim.SGD([b], lr=1.0)
+    runtime.scale((a * 1e38).sum() + b.sum()).backward()
+    runtime.optimizer_step(opt_a)
+    runtime.optimizer_step(opt_b)
+    assert a.item() == 1.0  # skipped: inf gradient
+    assert b.item() == 0.0  # 1.0 - lr * (65536 / 65536)
+    assert runtime._scaler().get_scale() == 65536.0
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    runtime.scale(b.sum()).backward()
+    assert runtime._scaler().get_scale() == 32768.0  # the update came with the next scale()
+    assert b.grad.item() == 32768.0
+
+
+# --- patched and baked scripts, run ------------------------------------------------------------------------
+
+# case -> number of backward() calls to record (a GAN records two per iteration)
+STEPS = {
+    "basic": 6,
+    "gan": 6,
+    "amp_scaler": 6,
+    "clip_fp16": 6,
+    "train_step_fn": 6,
+    "grad_accum": 8,
+    "disabled_region": 6,
+    "zero_grad_after_forward": 6,
+    "user_autocast_lookalike": 6,
+    "step_one_line": 6,
+}
+SCRIPT_DTYPE = {"amp_scaler": "fp16"}  # cases that autocast already
+# every script run costs seconds: the quick suite runs these, the rest are marked slow
+FAST_DEFAULT = {"basic", "amp_scaler"}
+FAST_VALUES = {("basic", "fp16"), ("amp_scaler", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    """The unpatched case's losses, run once per case for all the tests of this module."""
+    seen: dict[str, list[str]] = {}
+
+    def losses(name: str) -> list[str]:
+        if name not in seen:
+            tmp = tmp_path_factory.mktemp(f"original_{name}")
+            seen[name] = _losses(tmp, "original", _case(name).read_text(), STEPS[name])
+        return seen[name]
+
+    return losses
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST_DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in STEPS]
+)
+def test_default_gives_the_original_losses(tmp_path, original, name):
+    assert _losses(tmp_path, "patched", _text(name), STEPS[name], dtype="default") == original(name)
+    if name == "basic":  # no config at all: the knob table's defaults
+        assert _losses(tmp_path, "no_config", _text(name), STEPS[name]) == original(name)
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        p if p in FAST_VALUES else pytest.param(*p, marks=pytest.mark.slow)
+        for p in [(n, d) for n in STEPS for d in ("bf16", "fp16")]
+    ],
+)
+def test_each_dtype_trains_and_bakes_to_the_same_losses(tmp_path, original, name, dtype):
+    steps = STEPS[name]
+    patched = _losses(tmp_path, "patched", _text(name), steps, dtype=dtype)
+    if SCRIPT_DTYPE.get(name) == dtype:
+        assert patched == original(name)  # the script's own precision
+    else:
+        assert patched != original(name), "the knob changed nothing"
+    baked_text = _text(name, dtype)
+    assert "autotune" not in baked_text
+    assert _losses(tmp_path, "baked", baked_text, steps) == patched

@@ -1,0 +1,578 @@
+"""autocast: run forward and loss in bf16 or fp16 autocast, with a GradScaler only where fp16 needs one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts, Project, TrainingLoop
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform, add_args, expr, is_literal, keyword, kwarg, stmt
+
+AUTOCAST = {
+    "torch.autocast",
+    "torch.amp.autocast",
+    "torch.amp.autocast_mode.autocast",
+    "torch.cuda.amp.autocast",
+    "torch.cpu.amp.autocast",
+}
+GRAD_SCALER = {
+    "torch.amp.GradScaler",
+    "torch.amp.grad_scaler.GradScaler",
+    "torch.cuda.amp.GradScaler",
+    "torch.cpu.amp.GradScaler",
+}
+# enabled= by position: GradScaler(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+SCALER_ENABLED_AT = {"torch.cuda.amp.GradScaler": 4, "torch.cpu.amp.GradScaler": 4}
+CLIP = {
+    f"torch.nn.utils{module}.{name}"
+    for module in ("", ".clip_grad")
+    for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
+}
+DTYPE_CODE = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class _Plan:
+    """What to do in one file: sites to report and nodes to rewrite."""
+
+    reports: list[tuple[cst.CSTNode, Status, str]] = field(default_factory=list)
+    wraps: list[list[cst.BaseStatement]] = field(default_factory=list)
+    autocasts: list[cst.Call] = field(default_factory=list)  # the script's own, to make their dtype a knob
+    scalers: list[cst.Call] = field(default_factory=list)  # the script's own GradScalers
+    scale: list[cst.Call] = field(default_factory=list)  # backward() calls whose loss goes through a scaler
+    steps: list[cst.Call] = field(default_factory=list)
+    updates: list[cst.Call] = field(default_factory=list)  # bake: steps followed by scaler.update()
+    unscale: list[tuple[cst.BaseStatement, str]] = field(default_factory=list)  # (clip statement, optimizer code)
+    scaler_before: list[cst.BaseStatement] = field(default_factory=list)  # bake: create the scaler before these
+    scaler_at_top: bool = False  # bake: create the scaler after the imports
+
+
+class Autocast(Transform):
+    """Wrap forward and loss in torch.autocast (bf16 or fp16) and add a GradScaler only for fp16."""
+
+    name = "autocast"
+    knobs = (
+        Knob(
+            "autocast.dtype",
+            ("default", "bf16", "fp16"),
+            "default",
+            Numerics.LOWP,
+            help="default: the script's own precision; bf16 or fp16 autocast around forward and loss "
+            "(fp16 adds a GradScaler; a script's GradScaler is turned off under bf16)",
+        ),
+    )
+
+    def __init__(self, project: Project, mode) -> None:
+        super().__init__(project, mode)
+        self._plans: dict[ModuleFacts, _Plan] | None = None
+        self._scaler_name = "scaler"
+        self._settled = False  # the script autocasts in bf16 only, without a GradScaler: nothing to tune
+
+    # --- gated or baked code ---------------------------------------------------------------------------------
+
+    def _dtype(self) -> str:
+        return self.mode.value(self.knobs[0])
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        if self._plans is None:
+            self._plans = self._plan_project()
+        plan = self._plans.get(facts)
+        if plan is None:
+            return
+        for node, status, reason in plan.reports:
+            self.report(facts, node, status, reason)
+        if self.baking() and self._dtype() == "default":
+            return
+        if not (plan.autocasts or plan.scalers or plan.wraps or plan.scale or plan.steps):
+            return
+        torch = _torch_name(facts, edits, self.baking())
+        for call in plan.autocasts:
+            self._knob_autocast(facts, edits, call, torch)
+        for call in plan.scalers:
+            self._knob_scaler(facts, edits, call)
+        for group in plan.wraps:
+            if self.mode.gated:
+                head = f"{edits.runtime('autocast')}()"
+            else:
+                head = f'{torch}.autocast(device_type="{self.mode.device}", dtype={torch}.{DTYPE_CODE[self._dtype()]})'
+            edits.wrap(group, lambda body, head=head: _with(head, body))
+        if not self.mode.gated and self._dtype() != "fp16":
+            return  # a GradScaler only serves fp16
+        scaler = self._scaler_name
+        for call in plan.scale:
+            fn = edits.runtime("scale") if self.mode.gated else f"{scaler}.scale"
+            edits.rewrite(call.func.value, lambda node, fn=fn: _call(fn, node))  # type: ignore[attr-defined]
+        for call in plan.steps:
+            # opt.step() -> _autotune.optimizer_step(opt), or scaler.step(opt) followed by scaler.update()
+            fn = edits.runtime("optimizer_step") if self.mode.gated else f"{scaler}.step"
+            edits.rewrite(call, lambda node, fn=fn: _call(fn, node.func.value))
+            if not self.mode.gated and call in plan.updates:
+                _add_after(facts, edits, call, f"{scaler}.update()")
+        for clip_stmt, opt in plan.unscale:
+            fn = edits.runtime("unscale_") if self.mode.gated else f"{scaler}.unscale_"
+            edits.insert_before(clip_stmt, stmt(f"{fn}({opt})\n"))
+        if not self.mode.gated:
+            create = stmt(f'{scaler} = {torch}.amp.GradScaler("{self.mode.device}")\n')
+            for loop_stmt in plan.scaler_before:
+                edits.insert_before(loop_stmt, create)
+            if plan.scaler_at_top:
+                edits.after_imports(create.with_changes(leading_lines=[cst.EmptyLine()]))
+
+    def _knob_autocast(self, facts: ModuleFacts, edits: Edits, call: cst.Call, torch: str) -> None:
+        if self.mode.gated:
+            fn = edits.runtime("autocast_dtype")
+            new = lambda value: expr(f"{fn}({value})")  # noqa: E731
+        else:
+            baked = f"{torch}.{DTYPE_CODE[self._dtype()]}"
+            new = lambda value: expr(baked)  # noqa: E731
+        arg = keyword(call, "dtype")
+        if arg is None and _positional(call, 1) is not None:
+            arg = _positional(call, 1)
+        if arg is not None:
+            code = facts.code(arg.value)
+            edits.rewrite(arg, lambda node: node.with_changes(value=new(code)))
+        else:
+            edits.rewrite(call, lambda node: add_args(node, kwarg("dtype", new("None"))))
+
+    def _knob_scaler(self, facts: ModuleFacts, edits: Edits, call: cst.Call) -> None:
+        if self.mode.gated:
+            fn = edits.runtime("scaler_enabled")
+            new = lambda value: expr(f"{fn}({value})")  # noqa: E731
+        elif self._dtype() == "bf16":
+            new = lambda value: expr("False")  # noqa: E731
+        else:
+            return
+        arg = _scaler_enabled_arg(facts, call)
+        if arg is not None:
+            code = facts.code(arg.value)
+            edits.rewrite(arg, lambda node: node.with_changes(value=new(code)))
+        else:
+            edits.rewrite(call, lambda node: add_args(node, kwarg("enabled", new("True"))))
+
+    # --- analysis --------------------------------------------------------------------------------------------
+
+    def _plan_project(self) -> dict[ModuleFacts, _Plan]:
+        project = self.project
+        plans = {facts: _Plan() for facts in project.modules}
+        autocasts = [(f, c) for f in project.modules for c in f.calls if f.qualname(c.func) in AUTOCAST]
+        scalers = [(f, c) for f in project.modules for c in f.calls if f.qualname(c.func) in GRAD_SCALER]
+        self._scaler_name = _free_name(project, ("scaler", "grad_scaler", "amp_scaler"))
+        in_loops: set[cst.Call] = set()
+        for loop in project.loops:
+            for scope in loop.scopes:
+                in_loops.update(scope.backward)
+        for facts in project.modules:
+            for call in facts.calls:
+                if project.is_backward_call(call) and call not in in_loops:
+                    plans[facts].reports.append((call, Status.NOT_APPLICABLE, "backward() outside any training loop"))
+        if not project.loops:
+            for facts, call in autocasts + scalers:
+                plans[facts].reports.append((call, Status.NOT_APPLICABLE, "no training loop to tune the precision of"))
+            return plans
+
+        enabled_autocasts = [(f, c) for f, c in autocasts if _enabled_autocast(f, c)]
+        # bf16 autocast without a GradScaler is already the optimization: trying fp16 would mean adding a scaler
+        self._settled = bool(enabled_autocasts) and not scalers and all(
+            _dtype_qualname(f, c) == "torch.bfloat16" for f, c in enabled_autocasts
+        )
+        for facts, call in autocasts:
+            plan, code = plans[facts], _short(facts, call)
+            enabled = keyword(call, "enabled")
+            dtype = keyword(call, "dtype") or _positional(call, 1)
+            if enabled is not None and is_literal(enabled.value, False):
+                plan.reports.append((call, Status.USER, f"{code}: an autocast-free region, kept as written"))
+            elif self._settled:
+                reason = "the script already autocasts in bf16, which needs no GradScaler"
+                plan.reports.append((call, Status.PRESENT, reason))
+            elif dtype is not None and facts.is_runtime_call(dtype.value, "autocast_dtype"):
+                plan.reports.append((call, Status.PRESENT, f"{code}: its dtype is already a knob"))
+            else:
+                uses = f"dtype={facts.code(dtype.value)}" if dtype is not None else "the device's default dtype"
+                reason = f"the script autocasts ({uses}); its dtype becomes the knob"
+                plan.reports.append((call, Status.PRESENT, reason))
+                plan.autocasts.append(call)
+        for facts, call in scalers:
+            plan, code = plans[facts], _short(facts, call)
+            enabled = _scaler_enabled_arg(facts, call)
+            if enabled is not None and facts.is_runtime_call(enabled.value, "scaler_enabled"):
+                plan.reports.append((call, Status.PRESENT, f"{code}: already turned off under bf16"))
+            else:
+                plan.reports.append((call, Status.PRESENT, f"the script has {code}; it is turned off under bf16"))
+                plan.scalers.append(call)
+
+        seen: set[cst.Call] = set()
+        for loop in project.loops:
+            self._plan_loop(loop, plans, bool(scalers), seen)
+        return plans
+
+    def _plan_loop(self, loop: TrainingLoop, plans: dict[ModuleFacts, _Plan], has_scaler: bool, seen: set) -> None:
+        project = self.project
+        backwards = [(s, c) for s in loop.scopes for c in s.backward if c not in seen]
+        seen.update(c for _, c in backwards)
+        if not backwards:
+            return
+        blocker = _blocker(project, loop)
+        if blocker is not None:
+            for scope, call in backwards:
+                plans[scope.module].reports.append((call, Status.NOT_APPLICABLE, blocker))
+            return
+        script_autocast = _autocast_in_reach(project, loop)
+        work = {facts: _Plan() for facts in {s.module for s in loop.scopes}}
+        covered = False  # some forward and loss runs under autocast: fp16 then needs a GradScaler
+        for scope, call in backwards:
+            facts, plan = scope.module, work[scope.module]
+            recv = call.func.value  # type: ignore[attr-defined]
+            loss, scaled = _unwrap_scale(recv)
+            if scaled and not facts.is_runtime_call(recv):
+                has_scaler = True  # a scaler the script was handed: it manages scaling
+            if not scaled:
+                plan.scale.append(call)
+            if script_autocast is not None:
+                where, at = script_autocast
+                line = where.position(at)[0]
+                plan.reports.append((call, Status.PRESENT, f"the loop already autocasts ({where.display}:{line})"))
+                covered = covered or not self._settled
+                continue
+            if any(isinstance(n, cst.Call) for n in _walk(loss)):
+                reason = "the loss is computed in the backward() statement itself"
+                plan.reports.append((call, Status.NOT_APPLICABLE, reason))
+                continue
+            group, why = _forward_statements(project, facts, call)
+            if group is None:
+                plan.reports.append((call, Status.NOT_APPLICABLE, why))
+                continue
+            covered = True
+            if any(_enabled_autocast(facts, c) for s in group for c in facts.calls_in(s)):
+                plan.reports.append((call, Status.PRESENT, "already under autocast"))
+                continue
+            n = len(group)
+            plan.reports.append(
+                (call, Status.APPLICABLE, f"{n} statement{'s' if n > 1 else ''} of forward and loss before "
+                 f"{facts.code(call.func)}() run under autocast")
+            )
+            plan.wraps.append(group)
+        if has_scaler or not covered:
+            for plan in work.values():
+                plan.scale.clear()
+        else:
+            # fp16 without a GradScaler in the script: autotune's own scales every backward of the loop
+            for scope in loop.scopes:
+                facts, plan = scope.module, work[scope.module]
+                steps = [c for c in scope.steps if not facts.is_runtime_call(c) and c not in plan.steps]
+                plan.steps.extend(steps)
+                plan.updates.extend(_last_steps(facts, scope, steps))
+                self._plan_clips(scope, plan)
+            if self.baking() and self._dtype() == "fp16" and not self._place_scaler(loop, work):
+                for scope, call in backwards:
+                    reason = "fp16 needs one GradScaler for backward() and step(), and they sit in different files"
+                    work[scope.module] = _Plan(reports=[(call, Status.NOT_APPLICABLE, reason)])
+        for facts, plan in work.items():
+            target = plans[facts]
+            target.reports.extend(plan.reports)
+            target.wraps.extend(plan.wraps)
+            target.scale.extend(plan.scale)
+            target.steps.extend(plan.steps)
+            target.updates.extend(plan.updates)
+            target.unscale.extend(plan.unscale)
+            target.scaler_before.extend(s for s in plan.scaler_before if s not in target.scaler_before)
+            target.scaler_at_top |= plan.scaler_at_top
+
+    @staticmethod
+    def _plan_clips(scope, plan: _Plan) -> None:
+        """Under fp16, gradients are unscaled before clipping, for the optimizer whose step follows the clip."""
+        facts = scope.module
+        order = facts._enter
+        for clip in facts.calls_in(scope.owner):
+            if facts.qualname(clip.func) not in CLIP:
+                continue
+            clip_stmt = facts.statement_of(clip)
+            if _after_unscale(facts, clip_stmt):
+                continue
+            later = sorted((c for c in scope.steps if order[c] > order[clip]), key=order.__getitem__)
+            if not later:
+                reason = "no optimizer step follows this clipping in its scope: under fp16 it clips scaled gradients"
+                plan.reports.append((clip, Status.NOT_APPLICABLE, reason))
+                continue
+            plan.unscale.append((clip_stmt, _optimizer_of(facts, later[0])))
+
+    def _place_scaler(self, loop: TrainingLoop, work: dict[ModuleFacts, _Plan]) -> bool:
+        """Bake: create the scaler before the loop, or after the imports of the one file that uses it.
+
+        Before the loop only when that runs once per call of a function no loop calls again, so the scaler keeps
+        its scale for the whole run, as the runtime's does.
+        """
+        nodes = [(f, c) for f, p in work.items() for c in p.scale + p.steps]
+        home = loop.module.function_of(loop.outer)
+        if home is not None and self._called_in_a_loop(home):
+            home = False  # type: ignore[assignment]
+        if all(f is loop.module and f.function_of(c) is home for f, c in nodes):
+            work[loop.module].scaler_before.append(loop.outer)
+            return True
+        files = {f for f, _ in nodes}
+        if len(files) == 1:
+            work[files.pop()].scaler_at_top = True
+            return True
+        return False
+
+    def _called_in_a_loop(self, function: cst.FunctionDef) -> bool:
+        for facts in self.project.modules:
+            for call in facts.calls:
+                target = self.project.local_target(facts, call)
+                if target is not None and target[1] is function:
+                    if any(isinstance(a, (cst.For, cst.While)) for a in facts.ancestors(call)):
+                        return True
+        return False
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+
+
+def _walk(node: cst.CSTNode):
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+def _short(facts: ModuleFacts, call: cst.Call) -> str:
+    return f"{facts.code(call.func)}(...)"
+
+
+def _positional(call: cst.Call, index: int) -> cst.Arg | None:
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    return positional[index] if index < len(positional) else None
+
+
+def _dtype_qualname(facts: ModuleFacts, call: cst.Call) -> str | None:
+    dtype = keyword(call, "dtype") or _positional(call, 1)
+    return facts.qualname(dtype.value) if dtype is not None else None
+
+
+def _enabled_autocast(facts: ModuleFacts, call: cst.Call) -> bool:
+    if facts.is_runtime_call(call, "autocast"):
+        return True
+    if facts.qualname(call.func) not in AUTOCAST:
+        return False
+    enabled = keyword(call, "enabled")
+    return enabled is None or not is_literal(enabled.value, False)
+
+
+def _autocast_in_reach(project: Project, loop: TrainingLoop) -> tuple[ModuleFacts, cst.Call] | None:
+    """An autocast the script runs in this loop: in it, in the local functions it calls, or in a local model."""
+    queue: list[tuple[ModuleFacts, cst.CSTNode, int]] = [(loop.module, loop.outer, 0)]
+    seen: set[cst.CSTNode] = {loop.outer}
+    for facts in project.modules:
+        for cls_name, cls in facts.classes.items():
+            if f"{facts.modname}.{cls_name}" in project.module_classes:
+                queue.append((facts, cls, 0))
+    while queue:
+        facts, node, depth = queue.pop(0)
+        for call in facts.calls_in(node):
+            if _enabled_autocast(facts, call) and not facts.is_runtime_call(call):
+                return facts, call
+            if depth < 3:
+                target = project.local_target(facts, call)
+                if target is not None and target[1] not in seen:
+                    seen.add(target[1])
+                    queue.append((target[0], target[1], depth + 1))
+    return None
+
+
+def _unwrap_scale(recv: cst.BaseExpression) -> tuple[cst.BaseExpression, bool]:
+    """The loss inside ``scaler.scale(loss)`` or ``_autotune.scale(loss)``, and whether it was scaled."""
+    if (
+        isinstance(recv, cst.Call)
+        and isinstance(recv.func, cst.Attribute)
+        and recv.func.attr.value == "scale"
+        and len(recv.args) == 1
+    ):
+        return recv.args[0].value, True
+    return recv, False
+
+
+def _scaler_enabled_arg(facts: ModuleFacts, call: cst.Call) -> cst.Arg | None:
+    at = SCALER_ENABLED_AT.get(facts.qualname(call.func) or "", 5)
+    return keyword(call, "enabled") or _positional(call, at)
+
+
+def _is_copy(node: cst.BaseExpression) -> bool:
+    """``x.to(device)``, ``batch["x"].cuda()``, tuples and comprehensions of them, casts chained on them."""
+    if isinstance(node, (cst.Tuple, cst.List)):
+        return bool(node.elements) and all(_is_copy(e.value) for e in node.elements)
+    if isinstance(node, cst.DictComp):
+        return _is_copy(node.value)
+    if isinstance(node, (cst.ListComp, cst.GeneratorExp)):
+        return _is_copy(node.elt)
+    if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
+        recv = node.func.value
+        if node.func.attr.value in ("to", "cuda"):
+            return not any(isinstance(n, cst.Call) for n in _walk(recv)) or _is_copy(recv)
+        return isinstance(recv, cst.Call) and _is_copy(recv)
+    return False
+
+
+def _is_copy_statement(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
+    if not isinstance(s, cst.SimpleStatementLine):
+        return False
+    for small in s.body:
+        value = getattr(small, "value", None)
+        if isinstance(value, cst.Call) and facts.is_runtime_call(value) and len(value.args) == 1:
+            value = value.args[0].value  # _autotune.channels_last(x.to(device)) is still a copy
+        if value is None or not _is_copy(value):
+            return False
+    return True
+
+
+def _is_separator(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
+    """Statements that end a step's forward and loss: zero_grad, step, backward, clipping, host-to-device copies."""
+    for call in facts.calls_in(s):
+        if project.is_zero_grad_call(call) or project.is_backward_call(call) or project.is_step_call(facts, call):
+            return True
+        if facts.qualname(call.func) in CLIP or facts.is_runtime_call(call, "unscale_"):
+            return True
+    return _is_copy_statement(facts, s)
+
+
+def _forward_statements(
+    project: Project, facts: ModuleFacts, backward: cst.Call
+) -> tuple[list[cst.BaseStatement] | None, str]:
+    """The statements before ``backward``'s in its block, back to the previous step boundary or the block start."""
+    line = facts.statement_of(backward)
+    if not isinstance(line, cst.SimpleStatementLine):
+        return None, "backward() shares a one-line block with other statements"
+    if len(line.body) > 1:
+        return None, "backward() shares its line with other statements"
+    block = facts.block_of(line)
+    body = list(block.body)
+    end = body.index(line)
+    while end > 0 and _only_zero_grad(project, facts, body[end - 1]):
+        end -= 1  # forward, loss, zero_grad(), backward(): the forward and loss still count
+    start = end
+    while start > 0 and not _is_separator(project, facts, body[start - 1]):
+        start -= 1
+    if start == 0 and body and _is_docstring(body[0]) and isinstance(facts.parent(block), cst.FunctionDef):
+        start = 1
+    group = body[start:end]
+    if not group:
+        return None, "no statement computes the loss right before backward() in its block"
+    return group, ""
+
+
+def _only_zero_grad(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
+    calls = facts.calls_in(s)
+    return bool(calls) and all(project.is_zero_grad_call(c) for c in calls)
+
+
+def _is_docstring(s: cst.BaseStatement) -> bool:
+    return (
+        isinstance(s, cst.SimpleStatementLine)
+        and len(s.body) == 1
+        and isinstance(s.body[0], cst.Expr)
+        and isinstance(s.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+def _last_steps(facts: ModuleFacts, scope, steps: list[cst.Call]) -> list[cst.Call]:
+    """The steps no other step follows before the next backward: one scaler.update() after each (as the runtime)."""
+    events = sorted([*scope.backward, *scope.steps], key=facts._enter.__getitem__)  # source order
+    last = []
+    for step in steps:
+        following = events[events.index(step) + 1 :]
+        if not following or following[0] not in steps:
+            last.append(step)
+    return last
+
+
+def _after_unscale(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
+    """Whether the statement before ``s`` is ``_autotune.unscale_(...)`` (already patched)."""
+    body = list(facts.block_of(s).body)
+    i = body.index(s)
+    if i == 0 or not isinstance(body[i - 1], cst.SimpleStatementLine):
+        return False
+    return any(facts.is_runtime_call(c, "unscale_") for c in facts.calls_in(body[i - 1]))
+
+
+def _optimizer_of(facts: ModuleFacts, step: cst.Call) -> str:
+    return facts.code(step.func.value)  # type: ignore[attr-defined]
+
+
+def _blocker(project: Project, loop: TrainingLoop) -> str | None:
+    """Why no GradScaler can serve this loop, if one cannot."""
+    for scope in loop.scopes:
+        facts = scope.module
+        for call in scope.backward:
+            if facts.qualname(call.func) in ("torch.autograd.backward", "torch.backward"):
+                return f"{facts.code(call.func)}() is not a loss.backward() a GradScaler can scale"
+        for call in scope.steps:
+            recv = call.func.value if isinstance(call.func, cst.Attribute) else None
+            if call.args and recv is not None and project.is_optimizer_expr(facts, recv):
+                return f"{facts.code(call.func)}(closure): a GradScaler cannot step with a closure"
+    return None
+
+
+def _call(fn: str, arg: cst.BaseExpression) -> cst.Call:
+    """``fn(arg)``, without the parentheses ``arg`` carried as a receiver (``(loss / n).backward()``)."""
+    if isinstance(arg, (cst.BinaryOperation, cst.Name, cst.Attribute, cst.Subscript, cst.Call)) and arg.lpar:
+        arg = arg.with_changes(lpar=[], rpar=[])
+    return cst.Call(func=expr(fn), args=[cst.Arg(arg)])
+
+
+def _add_after(facts: ModuleFacts, edits: Edits, call: cst.Call, code: str) -> None:
+    """Run ``code`` right after the small statement holding ``call``, on its own line when it has one."""
+    small = next(a for a in facts.ancestors(call) if isinstance(a, cst.BaseSmallStatement))
+    container = facts.parent(small)
+    if isinstance(container, cst.SimpleStatementLine) and len(container.body) == 1:
+        edits.insert_after(container, stmt(code + "\n"))
+        return
+    at = list(container.body).index(small) + 1
+    extra = cst.Expr(expr(code))
+
+    def insert(node):
+        body = list(node.body)
+        body[at - 1] = body[at - 1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
+        body.insert(at, extra)
+        return node.with_changes(body=body)
+
+    edits.rewrite(container, insert)
+
+
+def _with(head: str, body: list[cst.BaseStatement]) -> cst.With:
+    first = body[0]
+    inner = [first.with_changes(leading_lines=[]), *body[1:]]
+    return cst.With(
+        items=[cst.WithItem(expr(head))],
+        body=cst.IndentedBlock(body=inner),
+        leading_lines=first.leading_lines,
+    )
+
+
+def _torch_name(facts: ModuleFacts, edits: Edits, baking: bool) -> str:
+    """The name this module binds to the torch package (baked code spells dtypes and autocast through it)."""
+    for alias, qual in facts.imports.items():
+        if qual == "torch":
+            return alias
+    if baking:
+        edits.require_import("torch")
+    return "torch"
+
+
+class _Names(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names.add(node.value)
+
+
+def _free_name(project: Project, candidates: tuple[str, ...]) -> str:
+    names = _Names()
+    for facts in project.modules:
+        facts.module.visit(names)
+    for name in candidates:
+        if name not in names.names:
+            return name
+    i = 2
+    while f"{candidates[0]}_{i}" in names.names:
+        i += 1
+    return f"{candidates[0]}_{i}"
