@@ -84,7 +84,8 @@ def test_the_setting_comes_before_any_import_that_can_load_torch():
     assert lines.index("from __future__ import annotations") < lines.index("import autotune.runtime as _autotune")
     baked = _baked("early_os_import").splitlines()  # after the script's own `import os`, still before torch
     assert baked.index("import os") < baked.index("import sys") < baked.index("import torch")
-    assert any("expandable_segments:True" in line for line in baked[baked.index("import os") : baked.index("import sys")])
+    between = baked[baked.index("import os") : baked.index("import sys")]
+    assert any("expandable_segments:True" in line for line in between)
     baked = _baked("basic").splitlines()  # no early `import os`: the bake brings its own, first
     assert baked.index("import os") < baked.index("import torch")
     assert "autotune" not in "\n".join(baked)

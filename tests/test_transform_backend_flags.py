@@ -176,8 +176,14 @@ def test_cpu_matmul_precision_trains_and_bakes_to_the_same_losses(tmp_path, prec
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("knobs", [{f"{T}.tf32": True}, {f"{T}.cudnn_benchmark": True},
-                                   {f"{T}.tf32": True, f"{T}.matmul_precision": "medium", f"{T}.cudnn_benchmark": True}])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {f"{T}.tf32": True},
+        {f"{T}.cudnn_benchmark": True},
+        {f"{T}.tf32": True, f"{T}.matmul_precision": "medium", f"{T}.cudnn_benchmark": True},
+    ],
+)
 def test_cuda_values_train_and_bake_to_the_same_losses(tmp_path, knobs):
     patched = _losses(tmp_path, "patched", _text("basic"), knobs, device="cuda")
     baked = _losses(tmp_path, "baked", _text("basic", Mode(values=knobs, device="cuda")))

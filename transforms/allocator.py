@@ -62,7 +62,8 @@ class Allocator(Transform):
         code = [
             f'{var} = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))\n',
             f'if "expandable_segments" not in {var}:\n'
-            f'    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [{var}, "expandable_segments:True"]))\n',
+            f'    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [{var}, "expandable_segments:True"]))'
+            "\n",
         ]
         lines = [stmt(c) for c in code]
         lines[0] = lines[0].with_changes(
@@ -113,9 +114,13 @@ def _strings(facts: ModuleFacts) -> list[cst.SimpleString]:
     return visitor.found
 
 
+def _is_import_line(s: cst.BaseStatement) -> bool:
+    return isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body)
+
+
 def _top_imports(facts: ModuleFacts):
     for s in facts.module.body:
-        if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
+        if _is_import_line(s):
             yield s
 
 
@@ -129,7 +134,7 @@ def _first_import(facts: ModuleFacts) -> cst.CSTNode:
 def _early_os_import(facts: ModuleFacts) -> cst.SimpleStatementLine | None:
     """A top-level ``import os`` line that only standard-library imports precede: torch cannot be loaded yet."""
     for s in facts.module.body:
-        if not (isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body)):
+        if not _is_import_line(s):
             if _is_docstring_or_future(s):
                 continue
             return None

@@ -68,12 +68,13 @@ class BackendFlags(Transform):
         return tuple(k for k in self.knobs if k.name.split(".", 1)[1] not in self._script_sets)
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
-        if any(facts.is_runtime_call(c, "backend_flags") for c in facts.calls):
-            self.report(facts, next(c for c in facts.calls if facts.is_runtime_call(c, "backend_flags")), Status.PRESENT,
-                        "backend flags are already knobs")
+        patched = next((c for c in facts.calls if facts.is_runtime_call(c, "backend_flags")), None)
+        if patched is not None:
+            self.report(facts, patched, Status.PRESENT, "backend flags are already knobs")
             return
         if not self.project.loops:
-            self.report(facts, facts.module, Status.NOT_APPLICABLE, "no training loop: the flags would speed up nothing")
+            reason = "no training loop: the flags would speed up nothing"
+            self.report(facts, facts.module, Status.NOT_APPLICABLE, reason)
             return
         for module in self.project.modules:
             self._script_flags(module)
@@ -94,7 +95,8 @@ class BackendFlags(Transform):
                 if value == self.knob(setting).default:
                     continue
                 if setting == "tf32":
-                    code += [f"{torch}.backends.cuda.matmul.allow_tf32 = True", f"{torch}.backends.cudnn.allow_tf32 = True"]
+                    code.append(f"{torch}.backends.cuda.matmul.allow_tf32 = True")
+                    code.append(f"{torch}.backends.cudnn.allow_tf32 = True")
                 elif setting == "matmul_precision":
                     code.append(f'{torch}.set_float32_matmul_precision("{value}")')
                 else:
