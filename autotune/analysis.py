@@ -230,7 +230,7 @@ class ModuleFacts:
         head, _, rest = dotted.partition(".")
         if head in self.imports:
             head = self.imports[head]
-        elif head not in ("self", "cls") and self.function_named(head) is not None:
+        elif head not in ("self", "cls") and (self.function_named(head) is not None or head in self.classes):
             head = f"{self.modname}.{head}"
         return f"{head}.{rest}" if rest else head
 
