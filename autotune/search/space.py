@@ -1,0 +1,163 @@
+"""The search space: which knobs a search varies on a device, and the choices it tries for each."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune.errors import UsageError
+from autotune.knobs import Knob
+from autotune.transform import all_knobs, all_transforms
+
+DEVICES = ("cpu", "cuda")
+
+Config = Mapping[str, Any]
+
+
+def bundled_space_text(device: str) -> str:
+    """The text of ``search_spaces/<device>.yaml`` as installed (editable or regular install alike)."""
+    return resources.files("autotune.search_spaces").joinpath(f"{device}.yaml").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class SpaceFile:
+    """A search space file: the choices of the knobs it lists, and what happens to the knobs it does not list."""
+
+    choices: Mapping[str, tuple[Any, ...]]
+    others: str = "default"  # "default": unlisted knobs keep their default; "all": every choice they declare
+
+
+def read_space(device: str, path: Path | None = None) -> SpaceFile:
+    """The space of ``path``, or the bundled one of ``device``; a bad file is one UsageError line."""
+    if path is None:
+        text, where = bundled_space_text(device), f"search_spaces/{device}.yaml"
+    else:
+        where = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"{where}: cannot read the search space: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"{where}: the search space is not UTF-8 text") from None
+    return parse_space(text, where)
+
+
+def parse_space(text: str, where: str) -> SpaceFile:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UsageError(f"{where}{at}: not valid YAML: {problem}") from None
+    if not isinstance(doc, dict) or set(doc) - {"knobs", "others"} or not isinstance(doc.get("knobs"), dict):
+        raise UsageError(f"{where}: expected 'knobs:' (knob name -> list of choices) and optionally 'others: default|all'")
+    others = doc.get("others", "default")
+    if others not in ("default", "all"):
+        raise UsageError(f"{where}: 'others' must be default (unlisted knobs keep their default) or all, not {others!r}")
+    known = all_knobs()
+    out: dict[str, tuple[Any, ...]] = {}
+    for name, choices in doc["knobs"].items():
+        knob = known.get(name)
+        if knob is None:
+            raise UsageError(f"{where}: unknown knob '{name}' (known: {', '.join(sorted(known))})")
+        if not isinstance(choices, list) or not choices:
+            raise UsageError(f"{where}: knob '{name}' needs a non-empty list of choices, e.g. {list(knob.choices)}")
+        for choice in choices:
+            if choice not in knob.choices:
+                raise UsageError(
+                    f"{where}: knob '{name}' has no choice {choice!r} (choices: {', '.join(map(repr, knob.choices))})"
+                )
+        out[name] = tuple(dict.fromkeys(choices))
+    return SpaceFile(out, others)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The knobs a search varies, each with its choices (the default first), and why the others are left out."""
+
+    device: str
+    knobs: tuple[Knob, ...]
+    choices: Mapping[str, tuple[Any, ...]]
+    left_out: Mapping[str, str] = field(default_factory=dict)  # knob -> why it is not searched
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for k in self.knobs:
+            n *= len(self.choices[k.name])
+        return n
+
+    def baseline(self) -> dict[str, Any]:
+        return {k.name: k.default for k in self.knobs}
+
+    def changed(self, config: Config) -> tuple[Knob, ...]:
+        """The searched knobs whose value in ``config`` is not their default."""
+        return tuple(k for k in self.knobs if config.get(k.name, k.default) != k.default)
+
+    def configs(self) -> Iterator[dict[str, Any]]:
+        """Every configuration: the baseline, then each knob changed alone, then the combinations."""
+        base = self.baseline()
+        seen = {config_key(base)}
+        yield dict(base)
+        for k in self.knobs:
+            for choice in self.choices[k.name]:
+                config = {**base, k.name: choice}
+                if config_key(config) not in seen:
+                    seen.add(config_key(config))
+                    yield config
+        names = [k.name for k in self.knobs]
+        for values in itertools.product(*(self.choices[n] for n in names)):
+            config = dict(zip(names, values))
+            if config_key(config) not in seen:
+                seen.add(config_key(config))
+                yield config
+
+    def distributions(self):
+        import optuna
+
+        return {k.name: optuna.distributions.CategoricalDistribution(list(self.choices[k.name])) for k in self.knobs}
+
+    def describe(self) -> dict[str, list[Any]]:
+        return {k.name: list(self.choices[k.name]) for k in self.knobs}
+
+
+def config_key(config: Config) -> str:
+    """A stable text key of a configuration, for finding configurations already measured."""
+    return json.dumps(dict(sorted(config.items())), sort_keys=True)
+
+
+def build_space(script_knobs: Iterable[Knob], device: str, wanted: SpaceFile) -> SearchSpace:
+    """The knobs of this script that apply to ``device``, with the choices ``wanted`` gives them.
+
+    A knob the file lists gets exactly those choices, plus its default (the baseline must be in the space); one
+    it does not list keeps its default (``others: default``) or is searched over every choice it declares
+    (``others: all``, as in the bundled files, so that a new transform is searched without editing them).
+    """
+    transform_devices = {t.name: t.devices for t in all_transforms()}
+    knobs, choices, left_out = [], {}, {}
+    for knob in sorted(script_knobs, key=lambda k: k.name):
+        if device not in knob.devices or device not in transform_devices.get(knob.transform, knob.devices):
+            left_out[knob.name] = f"does not apply on {device}"
+            continue
+        if knob.name in wanted.choices:
+            listed = wanted.choices[knob.name]
+        elif wanted.others == "all":
+            listed = knob.choices
+        else:
+            left_out[knob.name] = "not in the search space"
+            continue
+        picked = tuple(dict.fromkeys([knob.default, *listed]))
+        if len(picked) < 2:
+            left_out[knob.name] = "pinned to its default" if knob.name in wanted.choices else "a single choice"
+            continue
+        knobs.append(knob)
+        choices[knob.name] = picked
+    return SearchSpace(device, tuple(knobs), choices, left_out)
