@@ -1,0 +1,104 @@
+"""Bake: chosen knob values written into the script as plain code, with no autotune import and no trial hook."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune.analysis import Project
+from autotune.errors import UsageError
+from autotune.patch import CONFIG_NAME, PatchResult, run, select
+from autotune.transform import Mode, all_knobs
+
+DIFF_NAME = "tuned.diff"
+
+
+def read_config(path: Path) -> tuple[dict[str, Any], str | None]:
+    """Knob values and device from a YAML file: ``knobs: {name: value}`` (or ``{name: {value: ...}}``), ``device:``.
+
+    Takes the ``autotune.yaml`` that search and patch write as well as a hand-written one.
+    """
+    where = str(path)
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot read the config: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: the config is not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UsageError(f"{where}: not valid YAML: {problem}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("knobs"), dict):
+        raise UsageError(f"{where}: expected a mapping with 'knobs:' (knob name -> value)")
+    device = doc.get("device")
+    if device is not None and device not in ("cpu", "cuda"):
+        raise UsageError(f"{where}: device must be cpu or cuda, not {device!r}")
+    known = all_knobs()
+    values: dict[str, Any] = {}
+    for name, spec in doc["knobs"].items():
+        value = spec.get("value", spec.get("default")) if isinstance(spec, dict) else spec
+        knob = known.get(name)
+        if knob is None:
+            raise UsageError(f"{where}: unknown knob '{name}' (known: {', '.join(sorted(known))})")
+        if value not in knob.choices:
+            raise UsageError(f"{where}: knob '{name}' has no choice {value!r} (choices: {', '.join(map(repr, knob.choices))})")
+        values[name] = value
+    return values, device
+
+
+def bake(project: Project, values: Mapping[str, Any], device: str) -> PatchResult:
+    """The project's files with ``values`` written in; a knob at its default changes nothing."""
+    unknown = sorted(set(values) - set(all_knobs()))
+    if unknown:
+        raise UsageError(f"unknown knob(s): {', '.join(unknown)}")
+    return run(project, select(), Mode(values=dict(values), device=device), hooks=False)
+
+
+def check_out_dir(out: Path, project: Project) -> Path:
+    """The output folder, refused where writing there could overwrite the user's own files."""
+    out = out.resolve()
+    root = project.root.resolve()
+    if out == root:
+        raise UsageError(f"{out}: the output folder must not be the script's own folder (pass --out DIR)")
+    sources = {m.path.resolve() for m in project.modules}
+    dests = [out / m.path.resolve().relative_to(root) for m in project.modules]
+    for d in dests:
+        if d.resolve() in sources:
+            raise UsageError(f"{d}: writing the tuned script there would overwrite the script itself; pass --out DIR")
+    if out.is_file():
+        raise UsageError(f"{out}: --out must be a folder, not a file")
+    ours = False
+    config = out / CONFIG_NAME
+    if config.is_file():
+        try:
+            doc = yaml.safe_load(config.read_text(encoding="utf-8"))
+            ours = isinstance(doc, dict) and "script" in doc
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            ours = False
+    if not ours:
+        for name in [*(str(d.relative_to(out)) for d in dests), CONFIG_NAME, DIFF_NAME, "report.md"]:
+            if (out / name).exists():
+                raise UsageError(f"{out / name} exists and was not written by autotune; pass another --out DIR")
+    return out
+
+
+def write_baked(result: PatchResult, out_dir: Path, config: Mapping[str, Any] | None = None, header: str = "") -> list[Path]:
+    """Write every file of the baked project (same layout as the original), ``tuned.diff`` and, given, the config."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if config is not None:  # first: it marks the folder as autotune's, should writing the rest fail
+        path = out_dir / CONFIG_NAME
+        path.write_text(header + yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
+        written.append(path)
+    for f in result.files:
+        dest = out_dir / f.rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(f.new_text, encoding="utf-8")
+        written.append(dest)
+    diff = out_dir / DIFF_NAME
+    diff.write_text(result.diff(), encoding="utf-8")
+    written.append(diff)
+    return written
