@@ -1,0 +1,375 @@
+"""The outputs of a search: the tuned (baked) script, autotune.yaml, tuned.diff, report.md and its plot."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import platform
+import statistics
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune import __version__
+from autotune.bake import DIFF_NAME, bake, write_baked
+from autotune.patch import CONFIG_NAME
+from autotune.search.live import changed_text, dev_text, mib, speed_text
+from autotune.search.search import SearchOutcome
+from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM
+from autotune.search.trial import Outcome, TrialResult, stderr_summary
+
+REPORT_NAME = "report.md"
+PLOT_NAME = "throughput.png"
+
+
+@dataclass(frozen=True)
+class Written:
+    """What write_outputs wrote, and where the plot went (or why it did not)."""
+
+    files: tuple[Path, ...]
+    entry: Path
+    plot: Path | None
+    plot_skipped: str | None
+    changed: Mapping[str, Any]
+
+
+def versions(device: str) -> dict[str, Any]:
+    import optuna
+    import torch
+
+    out: dict[str, Any] = {
+        "autotune": __version__,
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "optuna": optuna.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return None
+    return float(f"{x:.{digits}g}")
+
+
+def _throughput(runs: list[TrialResult]) -> dict[str, float | None]:
+    steps = [r.throughput for r in runs if r.measured and r.throughput]
+    samples = [r.samples_per_s for r in runs if r.measured and r.samples_per_s]
+    return {
+        "steps_per_s": _r(statistics.median(steps)) if steps else None,
+        "samples_per_s": _r(statistics.median(samples)) if samples else None,
+    }
+
+
+def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str]) -> dict[str, Any]:
+    """The contents of the output autotune.yaml."""
+    chosen = o.chosen
+    defaults = o.space.baseline()
+    changed = {k: v for k, v in chosen.items() if defaults.get(k) != v}
+    win = o.winner
+    baseline_runs = list(win.baseline) if win else [r for r in o.results if r.role == ROLE_BASELINE]
+    tuned_runs = list(win.candidate) if win else baseline_runs
+    same = [r for r in o.results if r.measured and r.config == chosen and r.deviation is not None]
+    max_dev = max((r.deviation for r in same if r.deviation == r.deviation), default=0.0 if not changed else None)
+    tol = max((r.tolerance for r in same if r.tolerance is not None), default=None)
+    best = o.confirmations[0] if o.confirmations else None
+    doc: dict[str, Any] = {
+        "script": o.project.entry.display,
+        "script_sha256": entry_hash,
+    }
+    if len(file_hashes) > 1:
+        doc["files_sha256"] = dict(file_hashes)
+    doc.update(
+        {
+            "args": list(o.options.args),
+            "device": o.device,
+            "knobs": {k: chosen[k] for k in sorted(chosen)},
+            "changed": changed,
+            "winner": "tuned" if win else "baseline",
+            "verdict": win.reason if win else _baseline_reason(o),
+            "throughput": {"baseline": _throughput(baseline_runs), "tuned": _throughput(tuned_runs)},
+            "speedup": _r(win.speedup) if win else 1.0,
+            "speedup_spread": [_r(x) for x in win.spread] if win and win.spread else None,
+            "confirmation_pairs": len(win.ratios) if win else (len(best.ratios) if best else 0),
+            "max_loss_deviation": _r(max_dev, 3),
+            "loss_tolerance": _r(tol, 3),
+            "noise": {
+                "baseline_runs": o.noise.runs,
+                "deterministic": o.noise.deterministic,
+                "loss_max_deviation": _r(o.noise.max_loss, 3),
+                "time_spread": _r(o.noise.time, 3),
+            },
+            "search": {
+                "study": o.study_name,
+                "storage": o.storage,
+                "mode": o.mode,
+                "space_size": o.space.size,
+                "configurations_measured": len({_key(r.config) for r in o.results if r.role != ROLE_CONFIRM}),
+                "runs": len(o.results),
+                "stopped": o.stopped,
+                "steps": o.options.steps,
+                "warmup": o.options.warmup,
+                "wall_s": round(o.wall_s, 1),
+            },
+            "versions": versions(o.device),
+        }
+    )
+    return doc
+
+
+def _key(config: Mapping[str, Any]) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+def _baseline_reason(o: SearchOutcome) -> str:
+    if o.confirmations:
+        c = o.confirmations[0]
+        return f"the baseline wins: best candidate ({changed_text(c.config, o.space.baseline())}) {c.reason}"
+    ok = [r for r in o.results if r.role != ROLE_BASELINE and r.status is Outcome.OK]
+    if not ok:
+        return "the baseline wins: no other configuration finished and passed the loss gate"
+    return "the baseline wins: no configuration was faster than the baseline runs around it"
+
+
+def write_outputs(o: SearchOutcome) -> Written:
+    """Bake the chosen configuration and write every output file into the output folder."""
+    out = o.options.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = o.chosen
+    baked = bake(o.project, chosen, o.device)
+    entry_rel = baked.files[0].rel
+    hashes = {f.rel.as_posix(): hashlib.sha256(f.facts.source.encode("utf-8")).hexdigest() for f in baked.files}
+    doc = summary_doc(o, hashes[entry_rel.as_posix()], hashes)
+    header = (
+        f"# Chosen by `autotune search` for {o.project.entry.display}. The tuned script beside this file has these\n"
+        f"# knob values written in as plain code; to write them again: autotune bake {o.project.entry.display} "
+        f"--config {out / CONFIG_NAME}\n"
+    )
+    files = write_baked(baked, out, doc, header)
+    plot, skipped = write_plot(o, out / PLOT_NAME)
+    report = out / REPORT_NAME
+    report.write_text(report_markdown(o, doc, plot, skipped), encoding="utf-8")
+    files += [p for p in (plot, report) if p is not None]
+    return Written(tuple(files), out / entry_rel, plot, skipped, doc["changed"])
+
+
+# --- report.md -----------------------------------------------------------------------------------------------
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None, skipped: str | None) -> str:
+    defaults = o.space.baseline()
+    lines = [f"# autotune search: `{o.project.entry.display}`", ""]
+    if o.winner:
+        w = o.winner
+        lo, hi = w.spread
+        lines.append(
+            f"**Tuned:** `{changed_text(w.config, defaults)}` is **{w.speedup:.3f}x** the baseline's throughput "
+            f"(from {lo:.3f}x to {hi:.3f}x over {len(w.ratios)} interleaved A/B pairs; {w.reason}); "
+            f"largest loss deviation {_fmt(doc['max_loss_deviation'])} (tolerance {_fmt(doc['loss_tolerance'])})."
+        )
+    else:
+        lines.append(f"**The baseline wins:** {doc['verdict'].removeprefix('the baseline wins: ')}. "
+                     "The tuned script is the original, unchanged.")
+    thr = doc["throughput"]
+    lines += [
+        "",
+        f"- Command: `autotune search {o.project.entry.display}"
+        + (f" -- {' '.join(o.options.args)}" if o.options.args else "")
+        + "`",
+        f"- Device: {o.device}; {doc['versions'].get('gpu') or doc['versions']['cpu']}; torch {doc['versions']['torch']}, "
+        f"Python {doc['versions']['python']}",
+        f"- Throughput: baseline {_fmt(thr['baseline']['steps_per_s'])} steps/s, tuned "
+        f"{_fmt(thr['tuned']['steps_per_s'])} steps/s"
+        + (
+            f" ({_fmt(thr['baseline']['samples_per_s'])} -> {_fmt(thr['tuned']['samples_per_s'])} samples/s)"
+            if thr["baseline"]["samples_per_s"]
+            else ""
+        ),
+        f"- Noise: {o.noise.runs} baseline runs; step time spread {_pct(o.noise.time)} between them; losses "
+        + (
+            "bit-identical run to run"
+            if o.noise.deterministic
+            else f"differ run to run by up to {o.noise.max_loss:.1e} (the script is not deterministic: "
+            "the loss tolerance is widened to twice that)"
+        ),
+        f"- Search: {o.mode} {doc['search']['configurations_measured']} of {o.space.size} configurations, "
+        f"{len(o.results)} runs in {o.wall_s:.0f}s; stopped: {o.stopped}; "
+        f"{o.options.warmup} warm-up + {o.options.steps} measured steps per run",
+        f"- Study: `{o.study_name}` in `{o.storage}` (run the same command again to resume or extend it)",
+        "",
+        "## Trials",
+        "",
+        "Speedup: steps/s over the mean of the baseline runs just before and after the trial. "
+        "Loss deviation: largest relative difference of any step's loss from the first baseline run.",
+        "",
+        "| # | role | configuration | status | steps/s | samples/s | speedup | loss deviation | peak memory | note |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in o.results:
+        note = ""
+        if r.status is not Outcome.OK:
+            note = r.error or stderr_summary(r.stderr_tail)
+        if r.role == ROLE_CONFIRM:
+            note = f"pair {r.attrs.get('pair', 0) + 1}, {r.attrs.get('arm')}" + (f"; {note}" if note else "")
+        lines.append(
+            "| "
+            + " | ".join(
+                _cell(x)
+                for x in (
+                    str(r.number),
+                    r.role,
+                    f"`{changed_text(r.config, defaults)}`",
+                    str(r.status),
+                    f"{r.throughput:.2f}" if r.throughput else "-",
+                    f"{r.samples_per_s:.0f}" if r.samples_per_s else "-",
+                    speed_text(o.speedups.get(r.number)) if r.number in o.speedups else "",
+                    dev_text(r) + (f" (tol {r.tolerance:.1e})" if r.tolerance else ""),
+                    mib(r.peak_memory),
+                    note,
+                )
+            )
+            + " |"
+        )
+    if o.confirmations:
+        lines += ["", "## Confirmation", "", "| candidate | search speedup | A/B ratios | verdict |", "|---|---:|---|---|"]
+        for c in o.confirmations:
+            ratios = ", ".join(f"{x:.3f}" for x in c.ratios) or "-"
+            lines.append(
+                f"| `{_cell(changed_text(c.config, defaults))}` | {speed_text(c.search_speedup)} | {ratios} | "
+                f"{'accepted' if c.accepted else 'rejected'}: {_cell(c.reason)} |"
+            )
+    lines += ["", "## Throughput per trial", ""]
+    lines.append(f"![throughput per trial]({plot.name})" if plot else f"(plot skipped: {skipped})")
+    lines += ["", "## Knobs", "", "| knob | choices searched | numerics | chosen |", "|---|---|---|---|"]
+    for k in o.space.knobs:
+        choices = ", ".join(f"`{c}`" for c in o.space.choices[k.name])
+        lines.append(f"| `{k.name}` | {choices} | {k.numerics} | `{o.chosen[k.name]}` |")
+    if o.space.left_out:
+        lines += ["", "Not searched: " + "; ".join(f"`{k}` ({why})" for k, why in sorted(o.space.left_out.items()))]
+    lines += [
+        "",
+        "## Files",
+        "",
+        f"- `{o.patch.files[0].rel.as_posix()}`"
+        + (f" (+ {len(o.patch.files) - 1} local module(s))" if len(o.patch.files) > 1 else "")
+        + ": the tuned script, plain code (no autotune import)",
+        f"- `{DIFF_NAME}`: original -> tuned",
+        f"- `{CONFIG_NAME}`: the chosen knobs and the measurements behind them",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if x else "0"
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * x:.0f}%" if x is not None else "n/a (one run)"
+
+
+# --- the plot ----------------------------------------------------------------------------------------------
+
+
+def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
+    """throughput.png: steps/s per trial, baseline runs and failures marked; (None, why) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "matplotlib is not installed (pip install 'autotune[plot]')"
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    groups = {
+        "baseline": ([], [], "tab:gray", "s"),
+        "ok": ([], [], "tab:green", "o"),
+        "diverged": ([], [], "tab:orange", "D"),
+        "failed": ([], [], "tab:red", "x"),
+    }
+    for r in o.results:
+        y = r.throughput or 0.0
+        if r.role == ROLE_BASELINE or (r.role == ROLE_CONFIRM and r.attrs.get("arm") == "baseline"):
+            g = "baseline"
+        elif r.status is Outcome.OK:
+            g = "ok"
+        elif r.status is Outcome.DIVERGED:
+            g = "diverged"
+        else:
+            g = "failed"
+        groups[g][0].append(r.number)
+        groups[g][1].append(y)
+    for label, (xs, ys, color, marker) in groups.items():
+        if xs:
+            ax.scatter(xs, ys, c=color, marker=marker, label=label, zorder=3)
+    base = [r.throughput for r in o.results if r.role == ROLE_BASELINE and r.throughput]
+    if base:
+        ax.axhline(statistics.median(base), color="tab:gray", linestyle="--", linewidth=1, label="baseline median")
+    if o.winner:
+        confirm_start = min(r.number for r in o.winner.candidate + o.winner.baseline)
+        ax.axvline(confirm_start - 0.5, color="black", linestyle=":", linewidth=1)
+        ax.text(confirm_start - 0.3, ax.get_ylim()[1] * 0.97, "confirmation", fontsize=8, va="top")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("steps/s (median step time)")
+    ax.set_title(f"autotune search: {o.project.entry.display} on {o.device}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path, None
+
+
+def print_summary(o: SearchOutcome, w: Written, console) -> None:
+    """The short summary at the end of a search."""
+    defaults = o.space.baseline()
+    if o.winner:
+        lo, hi = o.winner.spread
+        console.print(
+            f"[bold green]tuned:[/] {changed_text(o.winner.config, defaults)}: "
+            f"[bold]{o.winner.speedup:.3f}x[/] the baseline ({lo:.3f}x..{hi:.3f}x over {len(o.winner.ratios)} A/B pairs)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        console.print(f"[bold yellow]{_baseline_reason(o)}[/]", highlight=False, soft_wrap=True)
+    counts: dict[str, int] = {}
+    for r in o.results:
+        counts[str(r.status)] = counts.get(str(r.status), 0) + 1
+    console.print(
+        f"{len(o.results)} runs ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}) in {o.wall_s:.0f}s; "
+        f"stopped: {o.stopped}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(
+        f"wrote {w.entry} (tuned script), {w.entry.parent / CONFIG_NAME}, {w.entry.parent / DIFF_NAME}, "
+        f"{w.entry.parent / REPORT_NAME}" + (f" and {w.plot.name}" if w.plot else f" (plot skipped: {w.plot_skipped})"),
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
