@@ -15,7 +15,7 @@ from autotune import __version__
 from autotune.analysis import Project, load_project
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.patch import DIFF_NAME, PatchResult, run, select, write_in_place, write_outputs
-from autotune.transform import Site, Status, all_transforms
+from autotune.transform import Site, Status, all_knobs, all_transforms
 
 LOOKED_FOR = (
     "no training loop found: looked for a for/while loop whose body, directly or through a local function, "
@@ -36,6 +36,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """A subcommand with a ``script_args`` default takes everything after the first ``--`` as the script's."""
+        if self.get_default("script_args") is None or args is None:
+            return super().parse_known_args(args, namespace)
+        args = list(args)
+        cut = args.index("--") if "--" in args else len(args)
+        ns, extra = super().parse_known_args(args[:cut], namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)} (arguments for the script go after --)")
+        ns.script_args = args[cut + 1 :]
+        return ns, extra
 
 
 def _split_list(value: str | None) -> list[str]:
@@ -137,6 +149,58 @@ def cmd_patch(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_bake(args: argparse.Namespace, console: Console) -> int:
+    from autotune.bake import bake, check_out_dir, read_config, write_baked
+    from autotune.search.search import resolve_device
+
+    project = load_project(Path(args.path))
+    values, device = read_config(Path(args.config))
+    device = device or resolve_device("auto")
+    out = check_out_dir(Path(args.out), project)
+    result = bake(project, values, device)
+    gated = {k.name for k in run(project, select()).knobs}
+    changed = {k: v for k, v in values.items() if v != all_knobs()[k].default}
+    unused = sorted(k for k in changed if k not in gated)
+    doc = {"script": args.path, "device": device, "knobs": values}
+    header = f"# The knob values `autotune bake` wrote into {args.path} as plain code.\n"
+    written = write_baked(result, out, doc, header)
+    if unused:
+        console.print(f"not used by this script (no site for them): {', '.join(unused)}", markup=False)
+    what = ", ".join(f"{k}={v}" for k, v in changed.items() if k not in unused) or "every knob at its default: no change"
+    console.print(f"baked {what}; wrote {len(written)} files to {out}/ (diff in tuned.diff)", markup=False)
+    return 0
+
+
+def cmd_search(args: argparse.Namespace, console: Console) -> int:
+    from autotune.search.live import SearchDisplay
+    from autotune.search.report import print_summary, write_outputs
+    from autotune.search.search import SearchOptions, run_search
+
+    path = Path(args.path)
+    project = load_project(path)
+    if not project.loops:
+        raise NoTrainingLoop(f"{args.path}: {LOOKED_FOR}; nothing to search")
+    options = SearchOptions(
+        script=path,
+        args=tuple(args.script_args),
+        out=Path(args.out),
+        trials=args.trials,
+        time_budget=args.time_budget,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=args.device,
+        storage=args.storage,
+        study_name=args.study_name,
+        space=Path(args.space) if args.space else None,
+        rtol=args.rtol,
+        timeout=args.timeout,
+        confirm=args.confirm,
+    )
+    outcome = run_search(options, SearchDisplay(console))
+    print_summary(outcome, write_outputs(outcome), console)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autotune", description="Find the fastest equivalent configuration of a PyTorch training script.")
     parser.add_argument("--version", action="version", version=f"autotune {__version__}")
@@ -157,6 +221,32 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--diff", action="store_true", help="print the diff, write nothing")
     patch.add_argument("--in-place", action="store_true", help="edit the script's own files, keeping .orig backups")
     patch.set_defaults(func=cmd_patch)
+
+    bake = sub.add_parser("bake", help="write chosen knob values into the script as plain code")
+    bake.add_argument("path")
+    bake.add_argument("--config", required=True, help="YAML with knobs: {name: value} (e.g. a search's autotune.yaml)")
+    bake.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
+    bake.set_defaults(func=cmd_bake)
+
+    search = sub.add_parser(
+        "search",
+        help="try knob configurations, keep the fastest that trains the same",
+        usage="autotune search PATH [options] -- ARGS FOR THE SCRIPT",
+    )
+    search.add_argument("path")
+    search.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
+    search.add_argument("--trials", type=int, default=20, help="configurations to measure, baseline included (default 20)")
+    search.add_argument("--time-budget", type=float, metavar="S", help="stop starting trials after S seconds")
+    search.add_argument("--steps", type=int, default=20, help="measured training steps per trial (default 20)")
+    search.add_argument("--warmup", type=int, default=5, help="warm-up steps before the measured ones (default 5)")
+    search.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to tune for")
+    search.add_argument("--storage", metavar="URL", help="Optuna storage URL or journal file (default: DIR/study.db)")
+    search.add_argument("--study-name", metavar="NAME", help="study name (default: script name + fingerprint)")
+    search.add_argument("--space", metavar="FILE", help="search space YAML (default: the bundled one for the device)")
+    search.add_argument("--rtol", type=float, metavar="X", help="relative loss tolerance for every non-default knob")
+    search.add_argument("--timeout", type=float, metavar="S", help="seconds before a trial is killed (default: auto)")
+    search.add_argument("--confirm", type=int, default=5, metavar="N", help="A/B pairs that confirm the winner (default 5)")
+    search.set_defaults(func=cmd_search, script_args=[])
 
     return parser
 

@@ -1,0 +1,246 @@
+"""``autotune search`` end to end on CPU: outputs, typed trial failures, and resuming after SIGINT and SIGKILL.
+
+Each test runs the real command in a subprocess with small budgets (a few steps per trial). Timings are never
+asserted: the machines that run this are far too noisy for that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "fixtures" / "search" / "tiny.py"
+FAILURES = REPO / "fixtures" / "search" / "failures.py"
+# one intra-op thread: faster for these tiny models and steadier on a shared 2-core machine
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "1"]
+
+pytestmark = pytest.mark.slow
+
+
+def autotune(args, cwd, timeout=400):
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", *map(str, args)],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def trials(out: Path, name: str):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}").get_trials(deepcopy=False)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie nobody reaped yet is not running
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def trial_pids(out: Path, name: str) -> list[int]:
+    return [t.user_attrs["trial_pid"] for t in trials(out, name) if "trial_pid" in t.user_attrs]
+
+
+def wait_gone(pids, seconds=15.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def write_space(path: Path, knobs: dict) -> Path:
+    path.write_text(yaml.safe_dump({"knobs": knobs}))
+    return path
+
+
+def test_search_end_to_end(tmp_path):
+    space = write_space(tmp_path / "space.yaml", {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]})
+    out = tmp_path / "out"
+    cmd = ["search", TINY, "--out", out, "--space", space, "--study-name", "e2e", *SMALL, "--", "--iters", "12"]
+    run = autotune(cmd, tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    for name in ("tiny.py", "autotune.yaml", "tuned.diff", "report.md", "throughput.png", "study.db"):
+        assert (out / name).is_file(), name
+    assert not (out / ".work").exists() and not (out / ".autotune.lock").exists()
+
+    doc = yaml.safe_load((out / "autotune.yaml").read_text())
+    assert doc["script_sha256"] == hashlib.sha256(TINY.read_bytes()).hexdigest()
+    assert doc["device"] == "cpu" and doc["args"] == ["--iters", "12"]
+    assert set(doc["knobs"]) == {"fused_optimizer.impl", "gc.freeze"}
+    assert doc["winner"] in ("tuned", "baseline")
+    assert doc["throughput"]["baseline"]["steps_per_s"] > 0 and doc["throughput"]["baseline"]["samples_per_s"] is None
+    assert doc["noise"]["deterministic"] is True  # the fixture is seeded: bit-identical losses run to run
+    assert doc["search"]["mode"] == "enumerated" and doc["search"]["configurations_measured"] == 4
+    import torch
+
+    assert doc["versions"]["torch"] == str(torch.__version__)
+
+    tuned = (out / "tiny.py").read_text()
+    compile(tuned, "tiny.py", "exec")
+    assert "autotune" not in tuned
+    changed = doc["changed"]
+    if doc["winner"] == "baseline":
+        assert changed == {} and tuned == TINY.read_text() and (out / "tuned.diff").read_text() == ""
+        assert doc["speedup"] == 1.0
+    else:
+        assert changed and doc["speedup"] > 1.0 and doc["speedup_spread"][0] <= doc["speedup"]
+        assert (out / "tuned.diff").read_text().startswith("--- a/tiny.py\n+++ b/tiny.py\n")
+        if "gc.freeze" in changed:
+            assert "gc.freeze()" in tuned
+    ran = subprocess.run([sys.executable, out / "tiny.py", "--iters", "3"], env=ENV, capture_output=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+
+    done = [t for t in trials(out, "e2e") if t.state.name == "COMPLETE"]
+    rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ") and "`" in line]
+    report_rows = [r for r in rows if r.split("|")[2].strip() in ("baseline", "search", "confirm")]
+    assert len(report_rows) == len(done)
+    statuses = {t.user_attrs["result"]["status"] for t in done}
+    assert statuses == {"ok"}
+
+    again = autotune(cmd, tmp_path)  # the same command again: resumes, every configuration already measured
+    assert again.returncode == 0, again.stderr
+    assert "resuming study 'e2e'" in again.stdout
+    assert len(trials(out, "e2e")) == len(done)
+
+
+def test_each_failure_is_typed_and_the_search_finishes(tmp_path):
+    space = write_space(
+        tmp_path / "space.yaml",
+        {
+            "autocast.dtype": ["default", "fp16"],
+            "channels_last.enabled": [False, True],
+            "fused_optimizer.impl": ["default", "foreach"],
+            "gc.freeze": [False, True],
+        },
+    )
+    out = tmp_path / "out"
+    # 5 configurations: the baseline and each knob alone, tried first in a space of 16
+    cmd = ["search", FAILURES, "--out", out, "--space", space, "--study-name", "f", "--trials", "5", "--timeout", "40"]
+    run = autotune([*cmd, *SMALL, "--", "--iters", "10"], tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    results = {}
+    for t in trials(out, "f"):
+        r = t.user_attrs["result"]
+        changed = tuple(sorted(k for k, v in r["config"].items() if v not in ("default", False)))
+        results.setdefault(changed, []).append(r)
+    assert all(r["status"] == "ok" for r in results[()])
+    by_knob = {changed[0]: rs[0] for changed, rs in results.items() if changed}
+    assert set(by_knob) == {"autocast.dtype", "channels_last.enabled", "fused_optimizer.impl", "gc.freeze"}
+    crash = by_knob["channels_last.enabled"]
+    assert crash["status"] == "crash" and "view size is not compatible" in crash["error"]
+    assert "Traceback" in crash["stderr_tail"]
+    assert by_knob["autocast.dtype"]["status"] == "nan"
+    assert by_knob["fused_optimizer.impl"]["status"] == "oom"
+    assert "OutOfMemoryError" in by_knob["fused_optimizer.impl"]["error"]
+    assert by_knob["gc.freeze"]["status"] == "timeout"
+
+    doc = yaml.safe_load((out / "autotune.yaml").read_text())
+    assert doc["winner"] == "baseline" and doc["changed"] == {}
+    assert "no other configuration finished" in doc["verdict"]
+    report = (out / "report.md").read_text()
+    for status in ("crash", "nan", "oom", "timeout"):
+        assert f"| {status} |" in report
+    assert (out / "failures.py").read_text() == FAILURES.read_text()
+    assert wait_gone(trial_pids(out, "f"), 5) == []  # the hung trial was killed with its whole process group
+
+
+def test_script_that_ends_too_early_is_told_to_run_longer(tmp_path):
+    run = autotune(["search", TINY, "--out", tmp_path / "o", "--steps", "8", "--warmup", "2", "--", "--iters", "4"], tmp_path)
+    assert run.returncode == 2
+    err = run.stderr.strip()
+    assert "ended after 4 training steps; the trial needs 10" in err and "after --" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def _start(cmd, cwd, log):
+    return subprocess.Popen(
+        [sys.executable, "-m", "autotune", *map(str, cmd)], cwd=cwd, env=ENV, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def _wait_for_running_trial(out, name, finished_at_least, proc, log, seconds=300):
+    """Wait until ``finished_at_least`` trials are complete and the next one is running; its trial pid."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the search ended before it could be interrupted"
+        # the header comes once the study exists: reading the database while it is created would race with it
+        if "  knobs: " in Path(log.name).read_text():
+            ts = trials(out, name)
+            complete = [t for t in ts if t.state.name == "COMPLETE"]
+            running = [t for t in ts if t.state.name == "RUNNING" and "trial_pid" in t.user_attrs]
+            if len(complete) >= finished_at_least and running:
+                return running[0].user_attrs["trial_pid"]
+        time.sleep(0.2)
+    raise AssertionError("no running trial to interrupt")
+
+
+def _snapshot(out, name):
+    return {
+        t.number: (t.params, t.values, t.user_attrs.get("role"), t.user_attrs["result"]["step_times"])
+        for t in trials(out, name)
+        if t.state.name == "COMPLETE"
+    }
+
+
+def test_search_killed_midway_resumes_keeping_every_finished_trial(tmp_path):
+    space = write_space(tmp_path / "space.yaml", {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]})
+    out = tmp_path / "out"
+    cmd = ["search", TINY, "--out", out, "--space", space, "--study-name", "r", *SMALL, "--", "--iters", "12"]
+
+    # 1. Ctrl-C (SIGINT) during the third trial: the trial is stopped, the search says how to resume
+    with open(tmp_path / "run1.log", "w+") as log:
+        proc = _start(cmd, tmp_path, log)
+        pid = _wait_for_running_trial(out, "r", 2, proc, log)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        log.seek(0)
+        text = log.read()
+    assert "interrupted" in text and "run the same command again to resume" in text and "Traceback" not in text
+    assert wait_gone([pid]) == []
+    first = _snapshot(out, "r")
+    assert len(first) >= 2
+    assert not (out / ".work").exists() and not (out / ".autotune.lock").exists()
+
+    # 2. SIGKILL during a later trial: nothing can clean up, yet the trial ends itself with its parent
+    with open(tmp_path / "run2.log", "w") as log:
+        proc = _start(cmd, tmp_path, log)
+        pid = _wait_for_running_trial(out, "r", len(first) + 2, proc, log)
+        proc.kill()
+        proc.wait(timeout=30)
+    assert wait_gone([pid]) == []
+    second = _snapshot(out, "r")
+    assert {n: second[n] for n in first} == first  # nothing finished was lost or changed
+    assert len(second) >= len(first) + 2
+
+    # 3. the same command again finishes the search
+    run = autotune(cmd, tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    final = _snapshot(out, "r")
+    assert {n: final[n] for n in second} == second
+    search = [tuple(sorted(params.items())) for params, _, role, _ in final.values() if role == "search"]
+    assert len(search) == len(set(search)) == 3  # every configuration but the baseline, each measured once
+    states = [t.state.name for t in trials(out, "r")]
+    assert states.count("FAIL") == 2  # the two interrupted trials, measured again later
+    assert wait_gone(trial_pids(out, "r"), 5) == []
+    assert yaml.safe_load((out / "autotune.yaml").read_text())["search"]["configurations_measured"] == 4

@@ -1,0 +1,297 @@
+"""The search's parts without running trials: space files, the gate, failure types, speedups, the CLI's errors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+from autotune.errors import UsageError
+from autotune.knobs import Knob, Numerics
+from autotune.search.gate import NOISE_FACTOR, Noise, judge, measure_noise, step_deviations, tolerances
+from autotune.search.search import local_speedups
+from autotune.search.space import SpaceFile, build_space, bundled_space_text, config_key, parse_space, read_space
+from autotune.search.trial import Outcome, TrialResult, classify
+from autotune.transform import all_knobs
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "fixtures" / "search" / "tiny.py"
+
+
+# --- search spaces -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu-space", "cuda-space"])  # a bare "cuda" id reads as the marker
+def test_bundled_space_is_found_and_valid(device):
+    assert "knobs:" in bundled_space_text(device)
+    space = read_space(device)
+    assert space.others == "all"  # knobs of transforms added later are searched without editing the file
+    for name, choices in space.choices.items():
+        assert set(choices) <= set(all_knobs()[name].choices)
+
+
+def test_bundled_cpu_space_leaves_out_cuda_only_knobs():
+    space = build_space(all_knobs().values(), "cpu", read_space("cpu"))
+    searched = {k.name for k in space.knobs}
+    cuda_only = {k.name for k in all_knobs().values() if "cpu" not in k.devices}
+    assert cuda_only and not searched & cuda_only
+    assert all(space.left_out[name] == "does not apply on cpu" for name in cuda_only)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("knobs: [", "not valid YAML"),
+        ("- a\n- b\n", "expected 'knobs:'"),
+        ("knobs:\n  no_such.knob: [1, 2]\n", "unknown knob 'no_such.knob'"),
+        ("knobs:\n  gc.freeze: []\n", "non-empty list of choices"),
+        ("knobs:\n  gc.freeze: true\n", "non-empty list of choices"),
+        ("knobs:\n  gc.freeze: [false, maybe]\n", "has no choice 'maybe'"),
+        ("knobs:\n  gc.freeze: [false, true]\nothers: some\n", "'others' must be"),
+        ("knobs:\n  gc.freeze: [false, true]\nextra: 1\n", "expected 'knobs:'"),
+    ],
+    ids=["yaml", "not-a-mapping", "unknown-knob", "empty", "not-a-list", "bad-choice", "bad-others", "extra-key"],
+)
+def test_bad_space_file_is_one_line_usage_error(text, message):
+    with pytest.raises(UsageError) as err:
+        parse_space(text, "space.yaml")
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("space.yaml")
+
+
+def _knob(name, choices, default, numerics=Numerics.EXACT, devices=("cpu", "cuda")):
+    return Knob(name, tuple(choices), default, numerics, frozenset(devices))
+
+
+def test_build_space_filters_devices_and_adds_the_default():
+    knobs = [
+        _knob("gc.freeze", (False, True), False),
+        _knob("non_blocking.enabled", (False, True), False, devices=("cuda",)),
+        _knob("fused_optimizer.impl", ("default", "foreach", "fused"), "default", Numerics.REORDER),
+        _knob("autocast.dtype", ("default", "bf16", "fp16"), "default", Numerics.LOWP),
+    ]
+    wanted = SpaceFile({"fused_optimizer.impl": ("fused",), "non_blocking.enabled": (False, True)}, "default")
+    space = build_space(knobs, "cpu", wanted)
+    assert [k.name for k in space.knobs] == ["fused_optimizer.impl"]
+    assert space.choices["fused_optimizer.impl"] == ("default", "fused")  # the baseline is always in the space
+    assert space.left_out["non_blocking.enabled"] == "does not apply on cpu"
+    assert space.left_out["gc.freeze"] == "not in the search space"
+    everything = build_space(knobs, "cpu", SpaceFile({"autocast.dtype": ("default",)}, "all"))
+    assert [k.name for k in everything.knobs] == ["fused_optimizer.impl", "gc.freeze"]
+    assert everything.left_out["autocast.dtype"] == "pinned to its default"
+    assert everything.size == 6
+
+
+def test_configs_baseline_first_then_each_knob_alone_then_combinations():
+    knobs = [_knob("a.x", (0, 1, 2), 0), _knob("b.y", (False, True), False)]
+    space = build_space(knobs, "cpu", SpaceFile({}, "all"))
+    configs = list(space.configs())
+    assert configs[0] == {"a.x": 0, "b.y": False}
+    assert configs[1:4] == [{"a.x": 1, "b.y": False}, {"a.x": 2, "b.y": False}, {"a.x": 0, "b.y": True}]
+    assert len(configs) == space.size == 6
+    assert len({config_key(c) for c in configs}) == 6
+    assert [k.name for k in space.changed({"a.x": 2, "b.y": False})] == ["a.x"]
+
+
+# --- the gate ----------------------------------------------------------------------------------------------
+
+
+def _result(losses, role="search", status=Outcome.OK, step_times=(0.01, 0.01), config=None, number=None, attrs=None):
+    return TrialResult(
+        config=config or {},
+        role=role,
+        status=status,
+        losses=tuple(tuple(row) for row in losses),
+        step_times=tuple(step_times),
+        number=number,
+        attrs=attrs or {},
+    )
+
+
+def test_step_deviations_relative_and_inf_on_shape_mismatch():
+    ref = [[2.0], [1.0], [0.5]]
+    assert step_deviations([[2.0], [1.001], [0.5]], ref) == pytest.approx([0.0, 1e-3, 0.0])
+    assert step_deviations([[2.0], [1.0]], ref)[2] == math.inf
+    assert step_deviations([[2.0], [math.nan], [0.5]], ref)[1] == math.inf
+
+
+def test_tolerance_by_numerics_class_grows_and_never_below_noise():
+    quiet = Noise(2, (0.0,) * 30, 0.1)
+    assert tolerances(None, 3, quiet) == [0.0, 0.0, 0.0]
+    assert tolerances(Numerics.EXACT, 3, quiet) == [0.0, 0.0, 0.0]
+    reorder = tolerances(Numerics.REORDER, 30, quiet)
+    lowp = tolerances(Numerics.LOWP, 30, quiet)
+    assert reorder[0] < reorder[-1] <= 1e-3  # reordering differences grow as training amplifies them
+    assert all(r < l for r, l in zip(reorder, lowp))
+    assert tolerances(Numerics.LOWP, 3, quiet, rtol=0.5) == [0.5] * 3
+    noisy = Noise(3, (0.0, 0.2, 0.2), 0.1)
+    assert tolerances(Numerics.EXACT, 3, noisy) == [0.0, NOISE_FACTOR * 0.2, NOISE_FACTOR * 0.2]
+    assert tolerances(Numerics.REORDER, 3, noisy, rtol=1e-9)[2] == NOISE_FACTOR * 0.2
+
+
+def test_judge_exact_needs_identical_losses_lowp_allows_small_deviations():
+    ref = _result([[2.0], [1.5], [1.2]], role="baseline")
+    noise = measure_noise([ref, ref])
+    assert noise.deterministic and noise.runs == 2
+    gc_knob = _knob("gc.freeze", (False, True), False)
+    bf16 = _knob("autocast.dtype", ("default", "bf16"), "default", Numerics.LOWP)
+    same = judge(_result([[2.0], [1.5], [1.2]]), ref, [gc_knob], noise)
+    assert same.passed and same.deviation == 0.0
+    tiny_change = _result([[2.0], [1.5], [1.2000001]])
+    assert not judge(tiny_change, ref, [gc_knob], noise).passed
+    verdict = judge(tiny_change, ref, [bf16], noise)
+    assert verdict.passed and 0 < verdict.deviation < 1e-6
+    far = judge(_result([[2.0], [1.5], [1.5]]), ref, [bf16], noise)
+    assert not far.passed and far.step == 3 and far.deviation == pytest.approx(0.25)
+
+
+def test_measured_noise_widens_the_gate():
+    a = _result([[2.0], [1.5], [1.2]], role="baseline")
+    b = _result([[2.0], [1.5], [1.23]], role="baseline")
+    noise = measure_noise([a, b])
+    assert not noise.deterministic and noise.max_loss == pytest.approx(0.025)
+    gc_knob = _knob("gc.freeze", (False, True), False)
+    assert judge(_result([[2.0], [1.5], [1.25]]), a, [gc_knob], noise).passed  # 0.042 < 2 x 0.025
+
+
+def test_no_visible_loss_admits_only_exact_knobs():
+    ref = _result([], role="baseline")
+    gc_knob = _knob("gc.freeze", (False, True), False)
+    bf16 = _knob("autocast.dtype", ("default", "bf16"), "default", Numerics.LOWP)
+    noise = measure_noise([ref])
+    assert judge(_result([]), ref, [gc_knob], noise).passed
+    assert not judge(_result([]), ref, [bf16], noise).passed
+
+
+# --- failure types -----------------------------------------------------------------------------------------
+
+
+def _error(kind, types, message="boom"):
+    return {"status": "error", "error": f"{kind}: {message}", "error_type": kind, "error_types": types, "losses": []}
+
+
+@pytest.mark.parametrize(
+    "rc, timed_out, result, expected",
+    [
+        (0, False, {"status": "ok", "losses": [[1.0], [0.9]]}, Outcome.OK),
+        (None, True, None, Outcome.TIMEOUT),
+        (1, False, _error("OutOfMemoryError", ["torch.OutOfMemoryError", "builtins.RuntimeError"]), Outcome.OOM),
+        (1, False, _error("RuntimeError", ["builtins.RuntimeError"], "DefaultCPUAllocator: not enough memory"), Outcome.OOM),
+        (
+            1,
+            False,
+            _error("BackendCompilerFailed", ["torch._dynamo.exc.BackendCompilerFailed", "builtins.Exception"]),
+            Outcome.COMPILE_ERROR,
+        ),
+        (1, False, _error("InductorError", ["torch._inductor.exc.InductorError"]), Outcome.COMPILE_ERROR),
+        (0, False, {"status": "ok", "losses": [[1.0], [math.nan]]}, Outcome.NAN),
+        (1, False, {**_error("ValueError", ["builtins.ValueError"]), "losses": [[math.inf]]}, Outcome.NAN),
+        (0, False, {"status": "short", "steps_done": 3, "losses": [[1.0]]}, Outcome.SHORT),
+        (1, False, {"status": "short", "steps_done": 3, "losses": [[1.0]]}, Outcome.CRASH),
+        (1, False, _error("ValueError", ["builtins.ValueError"]), Outcome.CRASH),
+        (-9, False, None, Outcome.CRASH),
+        (1, False, None, Outcome.CRASH),
+    ],
+    ids=["ok", "timeout", "oom", "cpu-oom", "dynamo", "inductor", "nan", "inf-then-error", "short", "short-rc1",
+         "error", "sigkill", "no-result"],
+)
+def test_classify(rc, timed_out, result, expected):
+    status, error = classify(rc, timed_out, result, "Traceback...\nValueError: boom\n", wanted_steps=7)
+    assert status is expected
+    if expected is Outcome.SHORT:
+        assert "ended after 3 training steps" in error and "needs 7" in error and "after --" in error
+    if expected is Outcome.CRASH and rc == -9:
+        assert "SIGKILL" in error
+
+
+def test_trial_result_round_trips_through_study_attrs():
+    r = _result([[1.0, 2.0], [math.nan, 3.0]], config={"gc.freeze": True}, number=4, attrs={"pair": 1})
+    back = TrialResult.from_attrs({**r.to_attrs(), "number": 4})
+    assert back.config == r.config and back.status is Outcome.OK and back.attrs == {"pair": 1}
+    assert back.losses[0] == (1.0, 2.0) and math.isnan(back.losses[1][0])
+    assert back.throughput == pytest.approx(100.0)
+
+
+def test_local_speedup_uses_the_baseline_runs_around_each_trial():
+    base = {"k": 0}
+    runs = [
+        _result([], role="baseline", step_times=(0.02, 0.02), config=base, number=0),
+        _result([], step_times=(0.01, 0.01), config={"k": 1}, number=1),
+        _result([], role="baseline", step_times=(0.04, 0.04), config=base, number=2),
+        _result([], step_times=(0.02, 0.02), config={"k": 2}, number=3),
+        _result([], role="confirm", step_times=(0.02, 0.02), config=base, number=4, attrs={"arm": "baseline"}),
+        _result([], status=Outcome.CRASH, step_times=(), config={"k": 3}, number=5),
+    ]
+    speed = local_speedups(runs)
+    assert speed == {1: pytest.approx(3.0), 3: pytest.approx(1.5)}
+
+
+# --- the command line: every mistake is one line and exit code 2 -----------------------------------------------
+
+
+def _cli(argv, capsys):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--trials", "0"], "--trials must be at least 1"),
+        (["--warmup", "0"], "--warmup must be at least 1"),
+        (["--steps", "1"], "--steps at least 2"),
+        (["--time-budget", "-5"], "--time-budget must be a positive"),
+        (["--rtol", "2"], "--rtol must be"),
+        (["--confirm", "0"], "--confirm must be at least 1"),
+        (["--trials", "many"], "invalid int value"),
+        (["--device", "tpu"], "invalid choice"),
+        (["--batch-size", "4"], "arguments for the script go after --"),
+    ],
+)
+def test_search_bad_arguments(extra, message, capsys, tmp_path):
+    rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "out"), *extra], capsys)
+    assert rc == 2
+    assert message in err and err.startswith("autotune: error:")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_search_bad_space_file(capsys, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("knobs:\n  gc.freeze: [false, sometimes]\n")
+    rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "out"), "--space", str(space)], capsys)
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert f"{space}: knob 'gc.freeze' has no choice 'sometimes'" in err
+    rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "out"), "--space", str(tmp_path / "nope.yaml")], capsys)
+    assert rc == 2 and "cannot read the search space" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_search_refuses_a_script_without_training_loop(capsys, tmp_path):
+    rc, err = _cli(["search", str(REPO / "fixtures/scripts/no_loop.py"), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "no training loop found" in err and "nothing to search" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_search_never_writes_over_the_users_files(capsys, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text())
+    rc, err = _cli(["search", str(script), "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "must not be the script's own folder" in err
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "train.py").write_text("# my own file\n")
+    rc, err = _cli(["search", str(script), "--out", str(other)], capsys)
+    assert rc == 2 and "was not written by autotune" in err
+    assert (other / "train.py").read_text() == "# my own file\n"
+
+
+def test_search_with_nothing_to_search(capsys, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("knobs:\n  gc.freeze: [false]\n")
+    rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "o"), "--space", str(space)], capsys)
+    assert rc == 2 and "nothing to search on cpu" in err
