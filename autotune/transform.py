@@ -91,7 +91,10 @@ class Edits:
         self.after.setdefault(stmt, []).extend(stmts)
 
     def wrap(self, stmts: Sequence[cst.BaseStatement], fn: Callable[[list[cst.BaseStatement]], cst.BaseStatement]) -> None:
-        """Replace consecutive statements of one block by ``fn(updated statements)`` (a ``with`` around them)."""
+        """Replace consecutive statements of one block by ``fn(updated statements)`` (a ``with`` around them).
+
+        ``fn`` returns one statement or a list of statements.
+        """
         self.wraps.append((list(stmts), fn))
 
     def prelude(self, *stmts: cst.BaseStatement) -> None:
