@@ -330,6 +330,14 @@ def allocator_env() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
 
 
+# --- sdpa --------------------------------------------------------------------------------------------------
+
+
+def sdpa_enabled() -> bool:
+    """Whether hand-written attention runs as F.scaled_dot_product_attention instead of the script's own code."""
+    return knob("sdpa.attention", "manual") == "sdpa"
+
+
 # --- trial protocol ----------------------------------------------------------------------------------------
 
 
