@@ -1,0 +1,204 @@
+"""checkpointing: checkpointed blocks give the same losses and gradients, bit for bit, and really are checkpointed."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import autotune.runtime as runtime
+from autotune.analysis import load_project
+from autotune.patch import run, select
+from autotune.transform import Mode, Status
+
+CASES = Path(__file__).resolve().parent.parent / "fixtures" / "transforms" / "checkpointing"
+_count = itertools.count()
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"ckpt_case_{next(_count)}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def knob(tmp_path, monkeypatch):
+    def set_value(value: str) -> None:
+        config = tmp_path / f"{value}.yaml"
+        config.write_text(f"knobs:\n  checkpointing.blocks: {value}\n")
+        monkeypatch.setenv(runtime.CONFIG_ENV, str(config))
+        runtime.reset()
+
+    yield set_value
+    runtime.reset()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls of torch.utils.checkpoint.checkpoint (the runtime and baked code both look it up there)."""
+    seen = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def counting(fn, *args, **kwargs):
+        seen.append(kwargs.get("use_reentrant"))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
+    return seen
+
+
+def _gpt_loss(model, g):
+    idx = torch.randint(0, 65, (3, 16), generator=g)
+    return model(idx, torch.roll(idx, -1, dims=1))[1]
+
+
+def _nanogpt_loss(model, g):
+    idx = torch.randint(0, 65, (3, 16), generator=g)
+    return model(idx, torch.roll(idx, -1, dims=1))
+
+
+def _image_loss(model, g):
+    x = torch.randn(2, 3, 8, 8, generator=g)
+    return torch.nn.functional.cross_entropy(model(x), torch.tensor([1, 7]))
+
+
+def _tokens_loss(model, g):
+    return model(torch.randn(2, 5, 32, generator=g)).logsumexp(dim=-1).mean()
+
+
+# case: (class, constructor kwargs, loss, checkpointed blocks per forward for "all", for "every_2nd")
+CASE_SPECS = {
+    "gpt_blocks": ("GPT", dict(block_size=16, n_layer=4, n_embd=32, n_head=4, dropout=0.1), _gpt_loss, 4, 2),
+    "nanogpt_moduledict": ("GPT", dict(block_size=16, n_layer=5, n_embd=32, dropout=0.2), _nanogpt_loss, 5, 3),
+    "sequential_stack": ("ResNet", dict(channels=16, depth=4), _image_loss, 4, 2),
+    # stages of depths 2, 2, 4: only the 8 inner blocks are checkpointed, never the stages around them
+    "nested_blocks": ("Net", dict(dim=32, depths=(2, 2, 4)), _tokens_loss, 8, 4),
+}
+
+
+def _train(cls, kwargs, loss_fn, steps=2):
+    """Losses and final gradients of two SGD steps from a fixed seed, dropout on."""
+    torch.manual_seed(0)
+    model = cls(**kwargs)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model, g)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, [p.grad.clone() for p in model.parameters()], model
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", sorted(CASE_SPECS))
+@pytest.mark.parametrize("value", ["all", "every_2nd"])
+def test_checkpointed_training_is_bitwise_identical(case, value, knob, calls):
+    cls_name, kwargs, loss_fn, n_all, n_half = CASE_SPECS[case]
+    want_losses, want_grads, _ = _train(getattr(_load(CASES / f"{case}.in.py"), cls_name), kwargs, loss_fn)
+    gated = getattr(_load(CASES / f"{case}.out.py"), cls_name)
+
+    knob("none")
+    losses, grads, _ = _train(gated, kwargs, loss_fn)
+    assert calls == []
+    assert _same(losses, want_losses) and _same(grads, want_grads)
+
+    knob(value)
+    losses, grads, model = _train(gated, kwargs, loss_fn)
+    per_step = n_all if value == "all" else n_half
+    assert len(calls) == 2 * per_step and set(calls) == {False}, "each chosen block runs under checkpoint, non-reentrant"
+    assert _same(losses, want_losses), "losses differ"
+    assert _same(grads, want_grads), "gradients differ"
+
+    # outside training (eval, or no grad) nothing is checkpointed
+    calls.clear()
+    model.eval()
+    with torch.no_grad():
+        loss_fn(model, torch.Generator().manual_seed(2))
+    model.train()
+    with torch.no_grad():
+        loss_fn(model, torch.Generator().manual_seed(2))
+    assert calls == []
+
+
+@pytest.mark.parametrize("case", sorted(CASE_SPECS))
+def test_baked_checkpointing_is_bitwise_identical(case, calls):
+    cls_name, kwargs, loss_fn, n_all, n_half = CASE_SPECS[case]
+    spec = (CASES / f"{case}.bake.yaml").read_text()
+    value = "every_2nd" if "every_2nd" in spec else "all"
+    want_losses, want_grads, _ = _train(getattr(_load(CASES / f"{case}.in.py"), cls_name), kwargs, loss_fn)
+    losses, grads, _ = _train(getattr(_load(CASES / f"{case}.bake.py"), cls_name), kwargs, loss_fn)
+    assert len(calls) == 2 * (n_all if value == "all" else n_half)
+    assert _same(losses, want_losses) and _same(grads, want_grads)
+
+
+@pytest.mark.parametrize("value", ["all", "every_2nd"])
+def test_bake_of_every_choice_compiles_and_matches(value, tmp_path, calls):
+    """Both choices baked into the GPT fixture (the yaml of the fixture covers only one)."""
+    result = run(load_project(CASES / "gpt_blocks.in.py"), select(["checkpointing"]), Mode(values={"checkpointing.blocks": value}), hooks=False)
+    baked = tmp_path / "baked.py"
+    baked.write_text(result.files[0].new_text)
+    cls_name, kwargs, loss_fn, n_all, n_half = CASE_SPECS["gpt_blocks"]
+    want_losses, want_grads, _ = _train(getattr(_load(CASES / "gpt_blocks.in.py"), cls_name), kwargs, loss_fn)
+    losses, grads, _ = _train(getattr(_load(baked), cls_name), kwargs, loss_fn)
+    assert len(calls) == 2 * (n_all if value == "all" else n_half)
+    assert _same(losses, want_losses) and _same(grads, want_grads)
+
+
+def _sites(case: str) -> list:
+    return list(run(load_project(CASES / f"{case}.in.py"), select(["checkpointing"]), hooks=False).sites)
+
+
+def test_what_is_not_checkpointed_says_why():
+    reasons = [(s.line, s.status, s.reason) for s in _sites("not_blocks")]
+    assert [r[:2] for r in reasons] == [(26, Status.NOT_APPLICABLE), (40, Status.NOT_APPLICABLE), (54, Status.NOT_APPLICABLE)]
+    assert "Linear layers, not blocks" in reasons[0][2]
+    assert "also uses `block` itself" in reasons[1][2]
+    assert "differ" in reasons[2][2]
+    (bn,) = _sites("batchnorm_blocks")
+    assert bn.status is Status.NOT_APPLICABLE and "BatchNorm2d" in bn.reason
+    nested = _sites("nested_blocks")
+    assert [s.status for s in nested] == [Status.APPLICABLE, Status.NOT_APPLICABLE]
+    assert "Stage runs repeated blocks of its own" in nested[1].reason
+
+
+def test_batchnorm_really_is_updated_twice_under_checkpoint():
+    """Why BatchNorm blocks are refused: the recomputation in backward updates the running statistics again."""
+    bn = torch.nn.BatchNorm1d(3)
+    x = torch.randn(4, 3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(bn, x, use_reentrant=False).sum().backward()
+    assert int(bn.num_batches_tracked) == 2
+
+
+PROJECT = Path(__file__).resolve().parent.parent / "fixtures" / "projects" / "minigpt"
+
+
+@pytest.mark.slow
+def test_package_project_trains_bitwise_the_same_with_checkpointing(tmp_path):
+    """The minGPT-style project (blocks looped in mingpt/model.py, the loop in mingpt/trainer.py): with every block
+    checkpointed, dropout on, the losses are the original's bit for bit."""
+    from loss_probe import run_probe
+
+    from autotune.patch import write_outputs
+
+    result = run(load_project(PROJECT / "train.py"), select(["checkpointing"]))
+    assert "mingpt/model.py" in [f.rel.as_posix() for f in result.files if f.changed]
+    out = tmp_path / "patched"
+    write_outputs(result, out, "train.py")
+    config = tmp_path / "all.yaml"
+    config.write_text("knobs:\n  checkpointing.blocks: all\n")
+    args = ["--steps", "4", "--dropout", "0.1", "--n-layer", "3"]
+    env = {"OMP_NUM_THREADS": "1"}
+    want = run_probe(PROJECT / "train.py", args, steps=4, env=env, timeout=300)
+    assert run_probe(out / "train.py", args, steps=4, env={**env, runtime.CONFIG_ENV: str(config)}, timeout=300) == want

@@ -1,0 +1,348 @@
+"""checkpointing: recompute the activations of repeated blocks in backward instead of keeping them (less memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform, expr, stmt
+
+from ._model import (
+    SEQUENTIAL,
+    ClassRef,
+    Stack,
+    argument,
+    attr_chain,
+    attr_stack,
+    find_class,
+    is_block_class,
+    is_name,
+    names_read,
+    positional,
+    qualname,
+    unique_name,
+)
+
+EVERY = {"none": 0, "all": 1, "every_2nd": 2}
+# Modules whose forward in training mode changes their state: recomputing them in backward would update their
+# running statistics a second time (torch.utils.checkpoint does not undo it).
+STATEFUL = {
+    f"torch.nn.{n}"
+    for n in ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d")
+}
+
+
+@dataclass(frozen=True)
+class _Site:
+    """A place that runs repeated blocks one after the other."""
+
+    node: cst.CSTNode  # the For loop, or the call of the Sequential
+    container: cst.BaseExpression  # ``self.blocks``
+    stack: Stack
+    status: Status
+    reason: str
+    var: str | None = None  # the loop variable holding each block
+    index: str | None = None  # the loop's enumerate() index, if any
+    start: cst.BaseExpression | None = None  # enumerate's start, if any
+
+
+class Checkpointing(Transform):
+    """Run each repeated block (transformer layers, residual blocks) under torch.utils.checkpoint while training."""
+
+    name = "checkpointing"
+    knobs = (
+        Knob(
+            "checkpointing.blocks",
+            tuple(EVERY),
+            "none",
+            Numerics.EXACT,
+            help="none: keep all activations; all / every_2nd: recompute each block's (every other block's) "
+            "activations in backward (use_reentrant=False, RNG state preserved: same losses, less memory, "
+            "more compute)",
+        ),
+    )
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        for site in self.sites_in(facts):
+            self.report(facts, site.node, site.status, site.reason)
+            if site.status is not Status.APPLICABLE:
+                continue
+            if self.mode.gated:
+                self._gate(facts, edits, site)
+            else:
+                self._bake(facts, edits, site)
+
+    # --- finding blocks ----------------------------------------------------------------------------------
+
+    def sites_in(self, facts: ModuleFacts, depth: int = 0) -> list[_Site]:
+        out = []
+        for loop in facts.loops:
+            if isinstance(loop, cst.For):
+                site = self._loop(facts, loop, depth)
+                if site is not None:
+                    out.append(site)
+        for call in facts.calls:
+            site = self._sequential_call(facts, call, depth)
+            if site is not None:
+                out.append(site)
+        return sorted(out, key=lambda s: facts._enter[s.node])
+
+    def _container(self, facts: ModuleFacts, node: cst.BaseExpression) -> tuple[ClassRef, Stack] | None:
+        chain = attr_chain(node)
+        cls = facts.class_of(node)
+        if chain is None or cls is None:
+            return None
+        ref = ClassRef(facts, cls)
+        stack = attr_stack(ref, chain)
+        return (ref, stack) if stack is not None else None
+
+    def _loop(self, facts: ModuleFacts, loop: cst.For, depth: int) -> _Site | None:
+        """``for block in self.blocks: x = block(x)`` (also through ``enumerate``)."""
+        iterable, index, start = loop.iter, None, None
+        target = loop.target
+        if isinstance(iterable, cst.Call) and is_name(iterable.func, "enumerate") and positional(iterable):
+            if not (isinstance(target, cst.Tuple) and len(target.elements) == 2 and is_name(target.elements[0].value)):
+                return None
+            index, target = target.elements[0].value.value, target.elements[1].value
+            start = argument(iterable, 1, "start")
+            iterable = positional(iterable)[0]
+        if facts.is_runtime_call(iterable, "checkpoint_blocks") and iterable.args:
+            found = self._container(facts, iterable.args[0].value)
+            if found is not None:
+                return _Site(loop, iterable.args[0].value, found[1], Status.PRESENT, "blocks already behind the checkpointing.blocks knob")
+            return None
+        found = self._container(facts, iterable)
+        if found is None or not is_name(target):
+            return None
+        ref, stack = found
+        var = target.value
+        reads = [n for n in names_read(facts, loop.body) if n.value == var]
+        calls = [n for n in reads if isinstance(facts.parent(n), cst.Call) and facts.parent(n).func is n]
+        if not calls:
+            return None  # the loop does not run the blocks
+        where = facts.code(iterable)
+
+        def site(status: Status, reason: str) -> _Site:
+            return _Site(loop, iterable, stack, status, reason, var, index, start)
+
+        if self._checkpointed(facts, loop.body):
+            return site(Status.PRESENT, f"the blocks of {where} already run under torch.utils.checkpoint")
+        problem = self._elements(stack, where, depth)
+        if problem is not None:
+            return site(Status.NOT_APPLICABLE, problem)
+        if len(calls) != len(reads):
+            other = next(n for n in reads if n not in calls)
+            return site(
+                Status.NOT_APPLICABLE,
+                f"the loop over {where} also uses `{var}` itself ({_short(facts, facts.parent(other))}), not only calls it",
+            )
+        return site(Status.APPLICABLE, f"{stack.short_kind} of {_elem(stack)} blocks run in a loop over {where}")
+
+    def _sequential_call(self, facts: ModuleFacts, call: cst.Call, depth: int) -> _Site | None:
+        """``x = self.blocks(x)`` for an nn.Sequential of blocks."""
+        if facts.is_runtime_call(call, "checkpoint_sequential") and call.args:
+            found = self._container(facts, call.args[0].value)
+            if found is not None:
+                return _Site(call, call.args[0].value, found[1], Status.PRESENT, "blocks already behind the checkpointing.blocks knob")
+            return None
+        found = self._container(facts, call.func)
+        if found is None or found[1].kind != SEQUENTIAL:
+            return None
+        _, stack = found
+        where = facts.code(call.func)
+        if stack.element is None or not is_block_class(self.project, stack.element):
+            return None  # a Sequential of layers (Linear, ReLU, ...): an ordinary module, not a stack of blocks
+        problem = self._elements(stack, where, depth)
+        if problem is not None:
+            return _Site(call, call.func, stack, Status.NOT_APPLICABLE, problem)
+        parent = facts.parent(call)
+        if (
+            len(call.args) != 1
+            or call.args[0].keyword is not None
+            or call.args[0].star
+            or not isinstance(parent, cst.Assign)
+            or len(parent.targets) != 1
+            or not is_name(parent.targets[0].target)
+        ):
+            return _Site(
+                call, call.func, stack, Status.NOT_APPLICABLE, f"{where}(...) is not called as `x = {where}(x)`"
+            )
+        return _Site(call, call.func, stack, Status.APPLICABLE, f"nn.Sequential of {_elem(stack)} blocks called as {where}(...)")
+
+    def _elements(self, stack: Stack, where: str, depth: int) -> str | None:
+        """Why the elements of a container are not blocks worth checkpointing one by one; None when they are."""
+        if stack.element is None:
+            return f"the elements of {where} differ or cannot be seen (build it from one block class)"
+        if not is_block_class(self.project, stack.element):
+            return f"{where} holds {stack.element.rsplit('.', 1)[-1]} layers, not blocks: too little to recompute"
+        inner = find_class(self.project, stack.element)
+        stateful = self._stateful_calls(stack.facts, stack.calls) if stack.facts is not None else None
+        if stateful is not None:
+            return (
+                f"each {_elem(stack)} holds {stateful}, whose running statistics would be updated a second time "
+                "when the block is recomputed in backward"
+            )
+        if inner is not None and depth < 3 and self._runs_blocks(inner, depth + 1):
+            return (
+                f"each {inner.name} runs repeated blocks of its own, which are checkpointed instead "
+                "(checkpointing both levels would recompute twice)"
+            )
+        return None
+
+    def _stateful_calls(self, facts: ModuleFacts, calls, depth: int = 0, seen=None) -> str | None:
+        """The first module that keeps running statistics among what ``calls`` build: the calls themselves, their
+        arguments (``nn.Sequential(nn.BatchNorm1d(...))``) and the local classes they instantiate."""
+        seen = set() if seen is None else seen
+        for outer in calls:
+            for call in facts.calls_in(outer):
+                qual = qualname(facts, call.func)
+                if qual in STATEFUL:
+                    return qual.rsplit(".", 1)[-1]
+                inner = find_class(self.project, qual)
+                if inner is not None and inner.node not in seen and depth < 3:
+                    seen.add(inner.node)
+                    found = self._stateful_calls(inner.facts, [inner.node], depth + 1, seen)
+                    if found is not None:
+                        return found
+        return None
+
+    def _runs_blocks(self, ref: ClassRef, depth: int) -> bool:
+        """Whether a class's methods loop over repeated blocks of their own (checkpointed or not)."""
+        return any(
+            ref.facts.class_of(s.node) is ref.node and s.status in (Status.APPLICABLE, Status.PRESENT)
+            for s in self.sites_in(ref.facts, depth)
+        )
+
+    def _checkpointed(self, facts: ModuleFacts, node: cst.CSTNode) -> bool:
+        return any((qualname(facts, c.func) or "").startswith("torch.utils.checkpoint.") for c in facts.calls_in(node))
+
+    # --- rewriting ---------------------------------------------------------------------------------------
+
+    def _gate(self, facts: ModuleFacts, edits: Edits, site: _Site) -> None:
+        if isinstance(site.node, cst.For):
+            helper = edits.runtime("checkpoint_blocks")
+            edits.rewrite(site.container, lambda node: cst.Call(func=expr(helper), args=[cst.Arg(node)]))
+        else:
+            helper = edits.runtime("checkpoint_sequential")
+            edits.rewrite(
+                site.node,
+                lambda node: node.with_changes(
+                    func=expr(helper),
+                    args=[cst.Arg(node.func, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *node.args],
+                ),
+            )
+
+    def _checkpoint_fn(self, facts: ModuleFacts, edits: Edits) -> str:
+        for alias, qual in facts.imports.items():
+            if qual == "torch.utils.checkpoint.checkpoint":
+                return alias
+        if ("torch.utils.checkpoint", 0) not in facts.imported_modules:
+            edits.require_import("torch.utils.checkpoint")
+        return "torch.utils.checkpoint.checkpoint"
+
+    def _bake(self, facts: ModuleFacts, edits: Edits, site: _Site) -> None:
+        every = EVERY[self.mode.value(self.knobs[0])]
+        fn = self._checkpoint_fn(facts, edits)
+        if isinstance(site.node, cst.For):
+            self._bake_loop(facts, edits, site, every, fn)
+        else:
+            self._bake_sequential(facts, edits, site, every, fn)
+
+    def _bake_loop(self, facts: ModuleFacts, edits: Edits, site: _Site, every: int, fn: str) -> None:
+        loop = site.node
+        assert isinstance(loop, cst.For) and site.var is not None
+        index = site.index
+        if every > 1 and index is None:
+            index = unique_name(facts, facts.function_of(loop) or facts.module, "i", "block_index")
+            edits.rewrite(
+                loop,
+                lambda node: node.with_changes(
+                    target=cst.Tuple(
+                        [cst.Element(cst.Name(index), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), cst.Element(node.target)],
+                        lpar=[],
+                        rpar=[],
+                    ),
+                    iter=cst.Call(func=cst.Name("enumerate"), args=[cst.Arg(node.iter)]),
+                ),
+            )
+        position = index if site.start is None else f"({index} - {facts.code(site.start)})"
+        cond = f"{site.var}.training and torch.is_grad_enabled()"
+        if every > 1:
+            cond = f"{position} % {every} == 0 and {cond}"
+        text = cst.Module([]).code_for_node
+
+        def checkpointed(node: cst.Call) -> cst.BaseExpression:
+            return expr(f"{fn}({', '.join([text(node.func), *(_arg_code(text, a) for a in node.args), 'use_reentrant=False'])})")
+
+        for name in names_read(facts, loop.body):
+            call = facts.parent(name)
+            if name.value != site.var or not (isinstance(call, cst.Call) and call.func is name):
+                continue
+            parent = facts.parent(call)
+            line = facts.statement_of(call)
+            if (
+                isinstance(parent, cst.Assign)
+                and parent.value is call
+                and isinstance(line, cst.SimpleStatementLine)
+                and len(line.body) == 1
+                and line.body[0] is parent
+            ):
+                # ``x = block(x)`` -> ``if <training>: x = checkpoint(block, x) else: x = block(x)``
+
+                def as_if(node: cst.SimpleStatementLine) -> cst.BaseStatement:
+                    assign = node.body[0]
+                    fast = node.with_changes(body=[assign.with_changes(value=checkpointed(assign.value))], leading_lines=[])
+                    return cst.If(
+                        test=expr(cond),
+                        body=cst.IndentedBlock([fast]),
+                        orelse=cst.Else(cst.IndentedBlock([node.with_changes(leading_lines=[])])),
+                        leading_lines=node.leading_lines,
+                    )
+
+                edits.rewrite(line, as_if)
+            else:
+                edits.rewrite(call, lambda node: expr(f"({text(checkpointed(node))} if {cond} else {text(node)})"))
+
+    def _bake_sequential(self, facts: ModuleFacts, edits: Edits, site: _Site, every: int, fn: str) -> None:
+        call = site.node
+        assert isinstance(call, cst.Call)
+        line = facts.statement_of(call)
+        scope = facts.function_of(call) or facts.module
+        target = facts.code(facts.parent(call).targets[0].target)
+        seq = facts.code(call.func)
+        arg = facts.code(call.args[0].value)
+        block = unique_name(facts, scope, "block", "layer")
+        step = f"{target} = {fn}({block}, {target}, use_reentrant=False)"
+        if every > 1:
+            index = unique_name(facts, scope, "i", "block_index")
+            head = f"for {index}, {block} in enumerate({seq}):"
+            step = f"{step} if {index} % {every} == 0 else {block}({target})"
+        else:
+            head = f"for {block} in {seq}:"
+        first = "" if target == arg else f"    {target} = {arg}\n"
+        original = cst.Module([]).code_for_node(line.with_changes(leading_lines=[])).strip()
+        code = (
+            f"if {seq}.training and torch.is_grad_enabled():\n{first}    {head}\n        {step}\n"
+            f"else:\n    {original}\n"
+        )
+        new = stmt(code).with_changes(leading_lines=line.leading_lines)
+        edits.rewrite(line, lambda node: new)
+
+
+def _arg_code(text, arg: cst.Arg) -> str:
+    """One argument as written: ``x``, ``attn_mask=mask``, ``*args``, ``**kwargs``."""
+    if arg.keyword is not None:
+        return f"{arg.keyword.value}={text(arg.value)}"
+    return f"{arg.star}{text(arg.value)}"
+
+
+def _elem(stack: Stack) -> str:
+    return (stack.element or "?").rsplit(".", 1)[-1]
+
+
+def _short(facts: ModuleFacts, node: cst.CSTNode, limit: int = 40) -> str:
+    code = " ".join(facts.code(node).split())
+    return code if len(code) <= limit else code[: limit - 3] + "..."
