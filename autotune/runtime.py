@@ -383,6 +383,85 @@ def checkpoint_sequential(seq: Any, x: Any) -> Any:
     return x
 
 
+# --- compile -----------------------------------------------------------------------------------------------
+
+_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+_compile_spans: list[tuple[float, float]] = []
+_compile_began: float | None = None
+_compile_watched = False
+
+
+def _compile_kwargs() -> dict[str, Any]:
+    mode = knob("compile.mode", "none")
+    kwargs: dict[str, Any] = {} if mode == "default" else {"mode": mode}
+    dynamic = knob("compile.dynamic", "default")
+    if dynamic != "default":
+        kwargs["dynamic"] = bool(dynamic)
+    return kwargs
+
+
+def compile_model(model: Any, blocks: Any = ()) -> Any:
+    """Compile ``model`` in place as the knobs ask: nothing by default.
+
+    Module.compile() compiles in place, so ``model`` stays the same object and its state_dict keys never gain
+    the ``_orig_mod.`` prefix that ``model = torch.compile(model)`` adds. With ``compile.scope: blocks`` each
+    module of the containers at the attribute paths ``blocks`` (``["transformer.h"]``) is compiled instead;
+    without such containers the whole model is.
+    """
+    if knob("compile.mode", "none") == "none" or getattr(model, "_autotune_compiled", False):
+        return model
+    kwargs = _compile_kwargs()
+    _watch_compile_time()
+    targets: list[Any] = []
+    if knob("compile.scope", "model") == "blocks":
+        for path in blocks:
+            targets.extend(model.get_submodule(path))
+    for module in targets or [model]:
+        module.compile(**kwargs)
+    model._autotune_compiled = True  # a plain attribute: not a parameter, buffer or state_dict entry
+    return model
+
+
+def compile_step_begin() -> None:
+    """At the start of each training step: tell CUDA graphs a new step begins (modes that use them, on CUDA)."""
+    if knob("compile.mode", "none") in _CUDAGRAPH_MODES and device_type() == "cuda":
+        import torch
+
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def _watch_compile_time() -> None:
+    """Record the wall time torch spends compiling (tracing, lazy backward compilation, CUDA graph recording)."""
+    global _compile_watched
+    if _compile_watched:
+        return
+    _compile_watched = True
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover - a torch without compile callbacks: compile time stays unknown
+        return
+
+    def began(_args: Any) -> None:
+        global _compile_began
+        _compile_began = time.perf_counter()
+
+    def ended(_args: Any) -> None:
+        if _compile_began is not None:
+            _compile_spans.append((_compile_began, time.perf_counter()))
+
+    callback_handler.register_start_callback(began)
+    callback_handler.register_end_callback(ended)
+
+
+def compile_seconds(since: float | None = None) -> float | None:
+    """Seconds spent compiling (only the part after ``since``, a perf_counter time, when given); None when
+    nothing was compiled through ``compile_model``."""
+    if not _compile_watched:
+        return None
+    lower = float("-inf") if since is None else since
+    return sum(max(0.0, end - max(start, lower)) for start, end in _compile_spans)
+
+
 # --- trial protocol ----------------------------------------------------------------------------------------
 
 
@@ -476,6 +555,9 @@ class _Trial:
             "steps": self.steps,
             "warmup_s": (self.window_start - self.started) if self.window_start else None,
             "first_step_s": (self.first_step_at - self.started) if self.first_step_at else None,
+            # time torch.compile spent (in the warm-up, and the part that fell in the timed window: recompiles)
+            "compile_s": compile_seconds(),
+            "window_compile_s": compile_seconds(self.window_start) if self.window_start else None,
             "window_s": window,
             "step_times": step_times,
             "losses": losses,

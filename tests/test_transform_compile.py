@@ -1,0 +1,171 @@
+"""compile: the model is compiled in place, so checkpoints move between the original and the compiled model."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autotune.runtime as runtime
+from autotune.analysis import load_project
+from autotune.patch import run, select, write_outputs
+from autotune.transform import Status
+from loss_probe import probe
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = REPO / "fixtures" / "transforms" / "compile"
+PROJECT = REPO / "fixtures" / "projects" / "minigpt"
+ENV = {"OMP_NUM_THREADS": "1"}
+_count = itertools.count()
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"compile_case_{next(_count)}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def knobs(tmp_path, monkeypatch):
+    def set_values(**values) -> None:
+        config = tmp_path / f"config{next(_count)}.yaml"
+        device = values.pop("device", None)
+        lines = [f"device: {device}"] if device else []
+        lines.append("knobs:")
+        lines += [f"  compile.{k}: {v}" for k, v in values.items()]
+        config.write_text("\n".join(lines) + "\n")
+        monkeypatch.setenv(runtime.CONFIG_ENV, str(config))
+        runtime.reset()
+
+    yield set_values
+    runtime.reset()
+
+
+def _gpt(module):
+    torch.manual_seed(0)
+    return module.GPT(vocab_size=11, block_size=8, n_layer=3, n_embd=16, n_head=2)
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    return module._compiled_call_impl is not None
+
+
+def test_default_compiles_nothing(knobs):
+    gated = _load(CASES / "script_gpt.out.py")
+    knobs()
+    model = gated._autotune.compile_model(_gpt(gated), blocks=["blocks"])
+    assert not any(_compiled(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_in_place_compile_keeps_state_dict_keys(scope, knobs):
+    """Compiling is lazy, so this checks the keys without paying for a compilation (the slow test below trains)."""
+    original = _gpt(_load(CASES / "script_gpt.in.py"))
+    saved = original.state_dict()
+    gated = _load(CASES / "script_gpt.out.py")
+    knobs(mode="default", scope=scope)
+    model = _gpt(gated)
+    assert gated._autotune.compile_model(model, blocks=["blocks"]) is model
+    if scope == "model":
+        assert _compiled(model) and not any(_compiled(b) for b in model.blocks)
+    else:
+        assert not _compiled(model) and all(_compiled(b) for b in model.blocks)
+    assert list(model.state_dict()) == list(saved)
+    model.load_state_dict(saved)  # strict: the original checkpoint loads into the compiled model
+    original.load_state_dict(model.state_dict())  # and back
+    # what the transform avoids: the wrapper torch.compile returns renames every key
+    assert all(k.startswith("_orig_mod.") for k in torch.compile(_gpt(gated)).state_dict())
+
+
+def test_blocks_scope_without_blocks_compiles_the_model(knobs):
+    gated = _load(CASES / "script_gpt.out.py")
+    knobs(mode="max-autotune-no-cudagraphs", scope="blocks", dynamic="false")
+    model = gated._autotune.compile_model(_gpt(gated))
+    assert _compiled(model)
+    assert model._compiled_call_impl is not None
+    # a second call (a script that builds its optimizer twice) does not compile again
+    first = model._compiled_call_impl
+    gated._autotune.compile_model(model)
+    assert model._compiled_call_impl is first
+
+
+@pytest.mark.parametrize(
+    ("values", "marks"),
+    [
+        (dict(mode="reduce-overhead", device="cuda"), 1),
+        (dict(mode="max-autotune", device="cuda"), 1),
+        (dict(mode="max-autotune-no-cudagraphs", device="cuda"), 0),
+        (dict(mode="default", device="cuda"), 0),
+        (dict(mode="reduce-overhead", device="cpu"), 0),
+        (dict(), 0),
+    ],
+)
+def test_cudagraph_step_marker_only_with_cuda_graphs(values, marks, knobs, monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: seen.append(1))
+    knobs(**values)
+    runtime.compile_step_begin()
+    assert len(seen) == marks
+
+
+def _sites(case: str) -> list:
+    return list(run(load_project(CASES / f"{case}.in.py"), select(["compile"]), hooks=False).sites)
+
+
+def test_torch_compile_in_the_script_is_present_with_the_orig_mod_hazard():
+    (site,) = _sites("orig_mod_present")
+    assert site.status is Status.PRESENT
+    assert "_orig_mod." in site.reason and "model.compile()" in site.reason
+
+
+def test_model_sites_across_files():
+    result = run(load_project(PROJECT / "train.py"), select(["compile"]), hooks=False)
+    (site,) = result.sites
+    assert site.status is Status.APPLICABLE and site.path.endswith("train.py") and "(GPT)" in site.reason
+    texts = {f.rel.as_posix(): f.new_text for f in result.files}
+    assert '_autotune.compile_model(model, blocks=["blocks"])\n    if args.load:' in texts["train.py"]
+    assert "for step in range(steps):\n            _autotune.compile_step_begin()\n" in texts["mingpt/trainer.py"]
+    assert texts["mingpt/model.py"] == (PROJECT / "mingpt" / "model.py").read_text()
+
+
+@pytest.mark.slow
+def test_checkpoints_round_trip_through_the_compiled_project(tmp_path):
+    """The original project saves a checkpoint; the patched project, compiled (inductor on CPU), resumes from it,
+    trains and saves; the original loads that back. Losses stay close; compile time is reported apart."""
+    out = tmp_path / "patched"
+    write_outputs(run(load_project(PROJECT / "train.py"), select(["compile"])), out, "train.py")
+    config = tmp_path / "compile.yaml"
+    config.write_text("knobs:\n  compile.mode: default\n  compile.scope: blocks\n")
+    spec = tmp_path / "trial.json"
+    result = tmp_path / "result.json"
+    spec.write_text(json.dumps({"warmup": 1, "steps": 100, "result": str(result)}))
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    common = ["--dropout", "0", "--n-layer", "2", "--n-embd", "32"]
+
+    probe(PROJECT / "train.py", [*common, "--steps", "1", "--save", str(a)], steps=1, env=ENV, timeout=300)
+    eager = probe(PROJECT / "train.py", [*common, "--steps", "3", "--load", str(a)], steps=3, env=ENV, timeout=300)
+    # run as `python train.py` (the trial writes its result when the script exits: 3 steps of the 1 + 100 asked)
+    env = {**os.environ, **ENV, runtime.CONFIG_ENV: str(config), runtime.TRIAL_ENV: str(spec)}
+    cmd = [sys.executable, str(out / "train.py"), *common, "--steps", "3", "--load", str(a), "--save", str(b)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    back = probe(PROJECT / "train.py", [*common, "--steps", "1", "--load", str(b)], steps=1, env=ENV, timeout=300)
+
+    saved_a, saved_b = torch.load(a), torch.load(b)
+    assert list(saved_b) == list(saved_a)
+    assert len(back["losses"]) == 1
+    trial = json.loads(result.read_text())
+    assert trial["status"] == "short" and trial["steps_done"] == 3
+    want = [float.fromhex(v) for v in eager["losses"]]
+    got = [row[0] for row in trial["losses"]]
+    assert got == pytest.approx(want, rel=1e-4)
+    assert trial["compile_s"] > 0
+    assert trial["warmup_s"] >= trial["compile_s"] - (trial["window_compile_s"] or 0)

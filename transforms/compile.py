@@ -1,0 +1,324 @@
+"""compile: torch.compile the model in place (Module.compile: state_dict keys unchanged), whole or block by block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform, stmt
+
+from ._model import (
+    MODULE_CHAIN,
+    ClassRef,
+    assignments,
+    block_paths,
+    find_class,
+    find_function,
+    model_class,
+    qualname,
+    scope_of,
+    unique_name,
+)
+
+MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+_MODULE_BASES = ("torch.nn.Module", "torch.nn.modules.module.Module")
+
+
+@dataclass(frozen=True, eq=False)
+class _Target:
+    """A model the training uses, and where it exists to be compiled."""
+
+    facts: ModuleFacts
+    anchor: cst.BaseStatement  # the statement that builds it (compile after it), or the loop (compile before it)
+    after: bool
+    code: str  # how the scope spells it: ``model``
+    cls: ClassRef | str | None
+    blocks: tuple[str, ...]
+    report_at: cst.CSTNode
+
+
+class Compile(Transform):
+    """Compile the model with torch.compile in place (Module.compile), whole or one repeated block at a time."""
+
+    name = "compile"
+    knobs = (
+        Knob(
+            "compile.mode",
+            MODES,
+            "none",
+            Numerics.REORDER,
+            help="none: eager; otherwise torch.compile's mode (reduce-overhead and max-autotune use CUDA graphs "
+            "on CUDA). The first steps pay for compilation: trials count them as warm-up",
+        ),
+        Knob(
+            "compile.scope",
+            ("model", "blocks"),
+            "model",
+            Numerics.REORDER,
+            help="model: compile the whole model; blocks: compile each repeated block (regional compilation: "
+            "one block's graph is compiled once and reused, so it compiles much faster)",
+        ),
+        Knob(
+            "compile.dynamic",
+            ("default", True, False),
+            "default",
+            Numerics.REORDER,
+            help="default: torch decides (recompiles as dynamic when a shape changes); true: dynamic shapes from the "
+            "start; false: specialise on every shape",
+        ),
+    )
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        present = self._present
+        for node, reason in present:
+            if node[0] is facts:
+                self.report(facts, node[1], Status.PRESENT, reason)
+        if present:
+            return
+        targets = self._targets
+        for target in targets:
+            if target.facts is not facts:
+                continue
+            self.report(facts, target.report_at, Status.APPLICABLE, self._reason(target))
+            if self.mode.gated:
+                code = self._gated_call(edits, target)
+                new = [stmt(code)]
+            else:
+                new = self._baked(facts, target)
+            if target.after:
+                edits.insert_after(target.anchor, *new)
+            else:
+                edits.insert_before(target.anchor, *new)
+        if not targets:
+            return
+        if self.mode.gated:
+            marker = f"{edits.runtime('compile_step_begin')}()\n" if any(l.module is facts for l in self.project.loops) else None
+        else:
+            mode = self.mode.value(self.knob("mode"))
+            marker = "torch.compiler.cudagraph_mark_step_begin()\n" if mode in CUDAGRAPH_MODES and self.mode.device == "cuda" else None
+            if marker is not None and facts.imports.get("torch") != "torch":
+                edits.require_import("torch")
+        if marker is None:
+            return
+        for loop in self.project.loops:
+            if loop.module is not facts or not isinstance(loop.node.body, cst.IndentedBlock) or not loop.node.body.body:
+                continue
+            edits.insert_before(loop.node.body.body[0], stmt(marker))
+
+    # --- what is there -----------------------------------------------------------------------------------
+
+    @cached_property
+    def _present(self) -> list[tuple[tuple[ModuleFacts, cst.CSTNode], str]]:
+        """torch.compile, Module.compile or autotune's compile_model already in the project."""
+        out = []
+        models = {t.code for t in self._targets}
+        for facts in self.project.modules:
+            for call in facts.calls:
+                func = call.func
+                if facts.is_runtime_call(call, "compile_model"):
+                    out.append(((facts, call), "the model is already compiled behind the compile knobs"))
+                elif facts.is_runtime_call(call, "compile_step_begin"):
+                    continue
+                elif qualname(facts, func) == "torch.compile":
+                    out.append(((facts, call), self._torch_compile_reason(facts, call, models)))
+                elif isinstance(func, cst.Attribute) and func.attr.value == "compile" and facts.code(func.value) in models:
+                    out.append(((facts, call), f"{facts.code(func.value)}.compile() already compiles the model in place"))
+        return out
+
+    def _torch_compile_reason(self, facts: ModuleFacts, call: cst.Call, models: set[str]) -> str:
+        arg = call.args[0].value if call.args and call.args[0].keyword is None else None
+        if arg is None:
+            return "torch.compile already used (as a decorator or with options)"
+        code = facts.code(arg)
+        built = model_class(self.project, facts, scope_of(facts, call), arg)
+        if code in models or built is not None or self._is_module_expr(facts, arg):
+            return (
+                f"{code} is already compiled with torch.compile({code}), which returns a wrapper: its state_dict "
+                f"keys gain an '_orig_mod.' prefix, so checkpoints it saves load only into compiled models "
+                f"({code}.compile() compiles in place and keeps the keys)"
+            )
+        return f"torch.compile({code}) already compiles part of the training"
+
+    def _is_module_expr(self, facts: ModuleFacts, node: cst.BaseExpression) -> bool:
+        code = facts.code(node)
+        return any(
+            isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters") and f.code(c.func.value) == code
+            for f in self.project.modules
+            for c in f.calls
+        )
+
+    # --- finding the model -------------------------------------------------------------------------------
+
+    @cached_property
+    def _targets(self) -> list[_Target]:
+        out: list[_Target] = []
+        seen: set[cst.CSTNode] = set()
+        for facts in self.project.modules:
+            for scope, name, use in self._model_uses(facts):
+                found = assignments(facts, scope, name, before=use)
+                built = [a for a in found if model_class(self.project, facts, scope, a.value) is not None]
+                if not built:
+                    continue
+                assign = built[-1]
+                anchor = facts.statement_of(assign)
+                later = [a for a in found if facts._enter[a] > facts._enter[assign]]
+                if later:  # ``model = model.to(device)`` after it: compile after the last rebinding
+                    anchor = facts.statement_of(later[-1])
+                anchor = self._after_moves(facts, anchor, name)
+                if anchor in seen:
+                    continue
+                seen.add(anchor)
+                cls = model_class(self.project, facts, scope, assign.value)
+                out.append(_Target(facts, anchor, True, name, cls, tuple(block_paths(self.project, cls)), assign.value))
+        if not out:
+            out = self._fallback()
+        return out
+
+    @staticmethod
+    def _after_moves(facts: ModuleFacts, anchor: cst.BaseStatement, name: str) -> cst.BaseStatement:
+        """The last of the ``model.to(device)`` / ``model.train()`` lines right after ``anchor``: compile after them."""
+        body = list(facts.block_of(anchor).body)
+        i = body.index(anchor)
+        while i + 1 < len(body):
+            s = body[i + 1]
+            if not (isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and isinstance(s.body[0], cst.Expr)):
+                break
+            call = s.body[0].value
+            if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and call.func.attr.value in MODULE_CHAIN):
+                break
+            if facts.code(call.func.value) != name:
+                break
+            i += 1
+        return body[i]
+
+    def _model_uses(self, facts: ModuleFacts):
+        """(scope, name, use) for each name a scope trains: optimizer parameters, calls in the training loop, or
+        arguments of a local function (or class) that holds the training loop."""
+        project = self.project
+        for ctor in project.optimizer_ctors(facts):
+            for call in facts.calls_in(ctor):
+                func = call.func
+                if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
+                    if isinstance(func.value, cst.Name):
+                        yield scope_of(facts, ctor), func.value.value, ctor
+        trainers = self._trainers()
+        for loop in project.loops:
+            if loop.module is not facts:
+                continue
+            scope = scope_of(facts, loop.node)
+            for call in facts.calls_in(loop.node):
+                if isinstance(call.func, cst.Name) and self._builds_module(facts, scope, call.func):
+                    yield scope, call.func.value, call
+        for call in facts.calls:
+            target = self._callee(facts, call)
+            if target is None or target not in trainers:
+                continue
+            scope = scope_of(facts, call)
+            for arg in call.args:
+                if isinstance(arg.value, cst.Name) and self._builds_module(facts, scope, arg.value):
+                    yield scope, arg.value.value, call
+
+    def _builds_module(self, facts: ModuleFacts, scope: cst.CSTNode, name: cst.Name) -> bool:
+        built = model_class(self.project, facts, scope, name)
+        if isinstance(built, str):
+            last = built.rsplit(".", 1)[-1]
+            return built.startswith(("torch.nn.", "torchvision.models.")) and last[:1].isupper() and not last.endswith("Loss")
+        return built is not None and self._is_module_class(built)
+
+    def _is_module_class(self, ref: ClassRef, depth: int = 0) -> bool:
+        for base in ref.node.bases:
+            qual = qualname(ref.facts, base.value)
+            if qual in _MODULE_BASES:
+                return True
+            parent = find_class(self.project, qual)
+            if parent is not None and depth < 5 and self._is_module_class(parent, depth + 1):
+                return True
+        return False
+
+    def _callee(self, facts: ModuleFacts, call: cst.Call) -> cst.CSTNode | None:
+        """The local function or class a call runs (a class: its ClassDef)."""
+        target = self.project.local_target(facts, call)
+        if target is not None:
+            return target[1]
+        qual = qualname(facts, call.func)
+        ref = find_class(self.project, qual)
+        if ref is not None:
+            return ref.node
+        found = find_function(self.project, qual)
+        return found[1] if found is not None else None
+
+    def _trainers(self) -> set[cst.CSTNode]:
+        """Local functions (and classes, by a method) whose body holds a training loop, or calls one that does."""
+        holders: set[cst.CSTNode] = set()
+        for loop in self.project.loops:
+            fn = loop.module.function_of(loop.node)
+            if fn is not None:
+                holders.add(fn)
+                cls = loop.module.class_of(fn)
+                if cls is not None:
+                    holders.add(cls)
+        for _ in range(2):  # one or two local calls away from the loop
+            for facts in self.project.modules:
+                for fn in facts.functions:
+                    if fn in holders:
+                        continue
+                    if any(self._callee(facts, c) in holders for c in facts.calls_in(fn)):
+                        holders.add(fn)
+        return holders
+
+    def _fallback(self) -> list[_Target]:
+        """A model that arrives as an argument (``def train(model, ...)``) with no caller in sight: compile before
+        the loop that trains it."""
+        out = []
+        receivers = {
+            f.code(c.func.value)
+            for f in self.project.modules
+            for c in f.calls
+            if isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters", "train")
+        }
+        seen = set()
+        for loop in self.project.loops:
+            facts = loop.module
+            for call in facts.calls_in(loop.node):
+                code = facts.code(call.func)
+                if isinstance(call.func, (cst.Name, cst.Attribute)) and code in receivers and (facts, code) not in seen:
+                    seen.add((facts, code))
+                    anchor = facts.statement_of(loop.outer)
+                    out.append(_Target(facts, anchor, False, code, None, (), call))
+        return out
+
+    # --- rewriting ---------------------------------------------------------------------------------------
+
+    def _reason(self, target: _Target) -> str:
+        cls = target.cls.name if isinstance(target.cls, ClassRef) else (target.cls or "").rsplit(".", 1)[-1]
+        what = f"{target.code} ({cls})" if cls else target.code
+        blocks = f"; repeated blocks: {', '.join(target.blocks)}" if target.blocks else "; no repeated blocks found"
+        return f"{what}: Module.compile in place, state_dict keys unchanged{blocks}"
+
+    def _gated_call(self, edits: Edits, target: _Target) -> str:
+        helper = edits.runtime("compile_model")
+        if target.blocks:
+            paths = ", ".join(f'"{p}"' for p in target.blocks)
+            return f"{helper}({target.code}, blocks=[{paths}])\n"
+        return f"{helper}({target.code})\n"
+
+    def _baked(self, facts: ModuleFacts, target: _Target) -> list[cst.BaseStatement]:
+        mode = self.mode.value(self.knob("mode"))
+        if mode == "none":
+            return []
+        kwargs = [] if mode == "default" else [f'mode="{mode}"']
+        dynamic = self.mode.value(self.knob("dynamic"))
+        if dynamic != "default":
+            kwargs.append(f"dynamic={bool(dynamic)}")
+        args = ", ".join(kwargs)
+        if self.mode.value(self.knob("scope")) == "blocks" and target.blocks:
+            scope = facts.function_of(target.anchor) or facts.module
+            var = unique_name(facts, scope, "block", "layer")
+            return [stmt(f"for {var} in {target.code}.{path}:\n    {var}.compile({args})\n") for path in target.blocks]
+        return [stmt(f"{target.code}.compile({args})\n")]
+
