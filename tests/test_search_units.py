@@ -25,8 +25,10 @@ TINY = REPO / "fixtures" / "search" / "tiny.py"
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu-space", "cuda-space"])  # a bare "cuda" id reads as the marker
 def test_bundled_space_is_found_and_valid(device):
-    assert "knobs:" in bundled_space_text(device)
-    space = read_space(device)
+    text = bundled_space_text(device)
+    assert "knobs:" in text
+    space = parse_space(text, f"{device}.yaml", strict=True)  # every knob it names exists
+    assert space == read_space(device)
     assert space.others == "all"  # knobs of transforms added later are searched without editing the file
     for name, choices in space.choices.items():
         assert set(choices) <= set(all_knobs()[name].choices)
@@ -295,3 +297,48 @@ def test_search_with_nothing_to_search(capsys, tmp_path):
     space.write_text("knobs:\n  gc.freeze: [false]\n")
     rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "o"), "--space", str(space)], capsys)
     assert rc == 2 and "nothing to search on cpu" in err
+
+
+# --- the runtime's trial protocol (plain Python scripts: no torch, so these run in a fraction of a second) -------
+
+
+def _run_trial_script(tmp_path, body, warmup=2, steps=3, extra_env=None):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text("import autotune.runtime as _autotune\n" + body)
+    spec = tmp_path / "spec.json"
+    result = tmp_path / "result.json"
+    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
+    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec), **(extra_env or {})}
+    env.pop("AUTOTUNE_CONFIG", None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    return proc, json.loads(result.read_text())
+
+
+def test_trial_protocol_times_the_window_and_ends_the_run(tmp_path):
+    body = "for i in range(100):\n    _autotune.step(1.0 / (i + 1))\nprint('never reached')\n"
+    proc, r = _run_trial_script(tmp_path, body, warmup=2, steps=3)
+    assert proc.returncode == 0 and "never reached" not in proc.stdout
+    assert r["status"] == "ok" and r["steps_done"] == 5
+    assert len(r["step_times"]) == 3  # the measured window only
+    assert r["losses"] == [[1.0], [0.5], [1 / 3], [0.25], [0.2]]  # every step's loss, warm-up included
+    assert r["warmup_s"] > 0 and r["first_step_s"] > 0 and r["peak_memory"] > 0
+
+
+def test_trial_protocol_reports_what_the_script_raised(tmp_path):
+    body = "_autotune.step(1.0)\nclass Boom(MemoryError):\n    pass\nraise Boom('no room')\n"
+    proc, r = _run_trial_script(tmp_path, body)
+    assert proc.returncode == 1 and "Boom: no room" in proc.stderr  # the traceback is still printed
+    assert r["status"] == "error" and r["error"] == "Boom: no room" and r["steps_done"] == 1
+    assert r["error_types"][:2] == ["__main__.Boom", "builtins.MemoryError"]
+    assert classify(1, False, r, proc.stderr, 5)[0] is Outcome.OOM
+
+
+def test_trial_protocol_short_script(tmp_path):
+    proc, r = _run_trial_script(tmp_path, "for i in range(2):\n    _autotune.step(1.0)\n", warmup=2, steps=3)
+    assert proc.returncode == 0 and r["status"] == "short" and r["steps_done"] == 2
+    assert classify(0, False, r, "", 5)[0] is Outcome.SHORT

@@ -137,6 +137,8 @@ class SearchDisplay:
             self.console.print(text, markup=False)
 
     def end(self) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, description="configurations")
         if self.live is not None:
             self.live.update(self._render())
             self.live.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import platform
+import shlex
 import statistics
 import sys
 from collections.abc import Mapping
@@ -196,7 +197,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
     lines += [
         "",
         f"- Command: `autotune search {o.project.entry.display}"
-        + (f" -- {' '.join(o.options.args)}" if o.options.args else "")
+        + (f" -- {shlex.join(o.options.args)}" if o.options.args else "")
         + "`",
         f"- Device: {o.device}; {doc['versions'].get('gpu') or doc['versions']['cpu']}; torch {doc['versions']['torch']}, "
         f"Python {doc['versions']['python']}",
@@ -329,10 +330,10 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     base = [r.throughput for r in o.results if r.role == ROLE_BASELINE and r.throughput]
     if base:
         ax.axhline(statistics.median(base), color="tab:gray", linestyle="--", linewidth=1, label="baseline median")
-    if o.winner:
-        confirm_start = min(r.number for r in o.winner.candidate + o.winner.baseline)
-        ax.axvline(confirm_start - 0.5, color="black", linestyle=":", linewidth=1)
-        ax.text(confirm_start - 0.3, ax.get_ylim()[1] * 0.97, "confirmation", fontsize=8, va="top")
+    confirm = [r.number for r in o.results if r.role == ROLE_CONFIRM]
+    if confirm:
+        ax.axvline(min(confirm) - 0.5, color="black", linestyle=":", linewidth=1)
+        ax.text(min(confirm) - 0.3, ax.get_ylim()[1], "confirmation (A/B pairs)", fontsize=8, va="top")
     ax.set_xlabel("trial")
     ax.set_ylabel("steps/s (median step time)")
     ax.set_title(f"autotune search: {o.project.entry.display} on {o.device}")
@@ -361,8 +362,8 @@ def print_summary(o: SearchOutcome, w: Written, console) -> None:
     for r in o.results:
         counts[str(r.status)] = counts.get(str(r.status), 0) + 1
     console.print(
-        f"{len(o.results)} runs ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}) in {o.wall_s:.0f}s; "
-        f"stopped: {o.stopped}",
+        f"{len(o.results)} runs in the study ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}); "
+        f"this search took {o.wall_s:.0f}s; stopped: {o.stopped}",
         highlight=False,
         soft_wrap=True,
     )
