@@ -497,9 +497,22 @@ class Search:
             if key is None or key == baseline_code:
                 continue
             if key not in best or speed[r.number] > best[key][1]:
-                best[key] = (dict(r.config), speed[r.number])
+                best[key] = (self.canonical(r.config), speed[r.number])
         ranked = sorted(best.values(), key=lambda cs: -cs[1])
         return [(c, s) for c, s in ranked if s > 1.0]
+
+    def canonical(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``config`` with every change that bakes to no different code put back to its default.
+
+        (``compile.scope=blocks`` while compile is off, persistent workers without workers: no part of the result.)
+        """
+        out = dict(config)
+        code = self.code_key(out)
+        for knob in self.space.changed(out):
+            trial = {**out, knob.name: knob.default}
+            if self.code_key(trial) == code:
+                out = trial
+        return out
 
     def _confirm(self) -> list[Confirmation]:
         out = []
