@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -342,3 +343,12 @@ def test_trial_protocol_short_script(tmp_path):
     proc, r = _run_trial_script(tmp_path, "for i in range(2):\n    _autotune.step(1.0)\n", warmup=2, steps=3)
     assert proc.returncode == 0 and r["status"] == "short" and r["steps_done"] == 2
     assert classify(0, False, r, "", 5)[0] is Outcome.SHORT
+
+
+def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path):
+    from autotune.search.report import write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
+    plot, why = write_plot(None, tmp_path / "throughput.png")
+    assert plot is None and "pip install 'autotune[plot]'" in why
+    assert not (tmp_path / "throughput.png").exists()

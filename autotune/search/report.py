@@ -7,7 +7,6 @@ import math
 import platform
 import shlex
 import statistics
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path

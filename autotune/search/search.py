@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
+import shutil
 import signal
 import statistics
 import time
@@ -241,17 +241,18 @@ class Search:
         env = dict(self.o.env)
         if self.device == "cpu":
             env.setdefault("CUDA_VISIBLE_DEVICES", "")  # tune for the CPU even where a GPU is present
-        self.runner = Runner(
-            self.patch,
-            self.out / WORK_NAME,
-            TrialSettings(tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, env),
-        )
         previous = signal.getsignal(signal.SIGTERM)
         try:
             signal.signal(signal.SIGTERM, _raise_interrupt)
         except ValueError:  # not the main thread
             previous = None
+        self.runner = None
         try:
+            self.runner = Runner(
+                self.patch,
+                self.out / WORK_NAME,
+                TrialSettings(tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, env),
+            )
             self.store = StudyStore(
                 storage_from(self.o.storage, self.out / DB_NAME), self.study_name, self.fingerprint, self.space, self.o.seed
             )
@@ -272,7 +273,10 @@ class Search:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-            self.runner.cleanup()
+            if self.runner is not None:
+                self.runner.cleanup()
+            else:
+                shutil.rmtree(self.out / WORK_NAME, ignore_errors=True)
             lock.release()
         results = tuple(self._regate(self.results))
         winner = next((c for c in confirmations if c.accepted), None)
