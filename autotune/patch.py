@@ -180,7 +180,6 @@ class _Applier(cst.CSTTransformer):
     def __init__(self, facts: ModuleFacts, edits: Edits) -> None:
         super().__init__()
         self.facts, self.e = facts, edits
-        self.wrap_first = {group[0]: (group, fn) for group, fn in edits.wraps}
         self.wrapped = {s for group, _ in edits.wraps for s in group}
         self.wrap_blocks = {facts.block_of(group[0]) for group, _ in edits.wraps}
         targets = set(edits.replace) | set(edits.before) | set(edits.after) | self.wrapped
@@ -206,15 +205,19 @@ class _Applier(cst.CSTTransformer):
         return node
 
     def _rebuild(self, body) -> list[cst.BaseStatement]:
-        out: list[cst.BaseStatement] = []
-        for s in body:
-            if s in self.wrap_first:
-                group, fn = self.wrap_first[s]
-                new = fn([x for member in group for x in self.done.get(member, [member])])
-                out.extend(new if isinstance(new, (list, tuple)) else [new])
-            elif s not in self.wrapped:
-                out.extend(self.done.get(s, [s]))
-        return out
+        # each item: the original statements it stands for, and what now stands in their place
+        items: list[tuple[frozenset, list[cst.BaseStatement]]] = [(frozenset([s]), list(self.done.get(s, [s]))) for s in body]
+        here = set(body)
+        # innermost first: a wrap around a wrapped group (no_sync around autocast) wraps the statement it became
+        for group, fn in sorted((w for w in self.e.wraps if w[0][0] in here), key=lambda w: len(w[0])):
+            wanted = set(group)
+            idx = [i for i, (orig, _) in enumerate(items) if orig & wanted]
+            covered = frozenset().union(*(items[i][0] for i in idx))
+            if covered != wanted or idx != list(range(idx[0], idx[-1] + 1)):
+                raise RuntimeError(f"{self.facts.display}: two transforms wrap overlapping statements")
+            new = fn([x for i in idx for x in items[i][1]])
+            items[idx[0] : idx[-1] + 1] = [(covered, list(new) if isinstance(new, (list, tuple)) else [new])]
+        return [x for _, stmts in items for x in stmts]
 
 
 def _header_end(body: list[cst.BaseStatement]) -> int:
