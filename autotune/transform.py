@@ -152,11 +152,29 @@ def add_args(call: cst.Call, *new: cst.Arg) -> cst.Call:
     if last_comma is cst.MaybeSentinel.DEFAULT:
         args[-1] = args[-1].with_changes(comma=space)
         return call.with_changes(args=[*args, *(a.with_changes(comma=space) for a in new[:-1]), new[-1]])
-    # a trailing comma: the whitespace between arguments is the one before the last argument
+    # a trailing comma: the whitespace between arguments is the one before the last argument; a comment at the end
+    # of a line stays with the argument it follows
     between = args[-2].comma if len(args) > 1 else cst.Comma(whitespace_after=call.whitespace_before_args)
-    args[-1] = args[-1].with_changes(comma=between)
-    added = [a.with_changes(comma=between) for a in new[:-1]] + [new[-1].with_changes(comma=last_comma)]
+    between = _with_comment(between, None)
+    args[-1] = args[-1].with_changes(comma=_with_comment(between, _comment(last_comma)))
+    added = [a.with_changes(comma=between) for a in new[:-1]] + [new[-1].with_changes(comma=_with_comment(last_comma, None))]
     return call.with_changes(args=[*args, *added])
+
+
+def _comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comment | None:
+    """The comment at the end of the line a comma ends."""
+    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
+        return comma.whitespace_after.first_line.comment
+    return None
+
+
+def _with_comment(comma: cst.Comma, comment: cst.Comment | None) -> cst.Comma:
+    """``comma`` with ``comment`` (or none) at the end of its line, when it ends a line."""
+    ws = comma.whitespace_after
+    if not isinstance(ws, cst.ParenthesizedWhitespace) or ws.first_line.comment is comment:
+        return comma
+    line = ws.first_line.with_changes(comment=comment, whitespace=cst.SimpleWhitespace("  " if comment else ""))
+    return comma.with_changes(whitespace_after=ws.with_changes(first_line=line))
 
 
 def keyword(call: cst.Call, name: str) -> cst.Arg | None:
