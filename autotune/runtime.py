@@ -462,6 +462,94 @@ def compile_seconds(since: float | None = None) -> float | None:
     return sum(max(0.0, end - max(start, lower)) for start, end in _compile_spans)
 
 
+# --- no_sync -----------------------------------------------------------------------------------------------
+
+
+def no_sync(model, final_micro_step: bool):
+    """``model.no_sync()`` on an accumulation micro-step that does not step, when the knob is on; else a null
+    context. A model the script left unwrapped (no DDP in this run) has no ``no_sync`` and gets the null context."""
+    if final_micro_step or not knob("no_sync.enabled", False):
+        return contextlib.nullcontext()
+    skip = getattr(model, "no_sync", None)
+    return skip() if skip is not None else contextlib.nullcontext()
+
+
+# --- ddp ---------------------------------------------------------------------------------------------------
+
+_DDP_DEFAULTS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "static_graph": False}
+
+
+def ddp_kwargs(**script: Any) -> dict[str, Any]:
+    """DistributedDataParallel keyword arguments: those the script wrote, plus the knobs' where they differ from
+    torch's defaults."""
+    out = dict(script)
+    for name, default in _DDP_DEFAULTS.items():
+        value = knob(f"ddp.{name}", default)
+        if name not in script and value != default:
+            out[name] = value
+    return out
+
+
+# --- fsdp --------------------------------------------------------------------------------------------------
+
+_FSDP_DEFAULTS = {"forward_prefetch": False, "backward_prefetch": "pre", "limit_all_gathers": True, "use_orig_params": False}
+_BACKWARD_PREFETCH = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
+
+
+def fsdp_kwargs(**script: Any) -> dict[str, Any]:
+    """FullyShardedDataParallel keyword arguments: the script's, plus the knobs' where they differ from torch's."""
+    out = dict(script)
+    for name, default in _FSDP_DEFAULTS.items():
+        value = knob(f"fsdp.{name}", default)
+        if name in script or value == default:
+            continue
+        if name == "backward_prefetch":
+            from torch.distributed.fsdp import BackwardPrefetch
+
+            value = getattr(BackwardPrefetch, _BACKWARD_PREFETCH[value]) if value != "none" else None
+        out[name] = value
+    return out
+
+
+def fully_shard_kwargs(**script: Any) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments: the script's, plus ``reshard_after_forward`` when the knob sets one."""
+    out = dict(script)
+    value = knob("fsdp.reshard_after_forward", "default")
+    if "reshard_after_forward" not in script and value != "default":
+        out["reshard_after_forward"] = value
+    return out
+
+
+# --- nccl_env ----------------------------------------------------------------------------------------------
+
+# knob setting -> (environment variable, value for each choice); "default" leaves the variable unset
+NCCL_ENV = {
+    "algo": ("NCCL_ALGO", {"ring": "Ring", "tree": "ring,tree;allreduce:tree"}),
+    "min_nchannels": ("NCCL_MIN_NCHANNELS", None),
+    "buffsize_mb": ("NCCL_BUFFSIZE", None),
+}
+
+
+def nccl_env_value(setting: str, value: Any) -> str:
+    """The environment value for a choice of ``nccl_env.<setting>``."""
+    names = NCCL_ENV[setting][1]
+    if names is not None:
+        return names[value]
+    return str(int(value) * 1024 * 1024) if setting == "buffsize_mb" else str(value)
+
+
+def nccl_env(script_sets: tuple[str, ...] = ()) -> None:
+    """Set the NCCL variables the knobs ask for, before any process group starts.
+
+    A variable already in the environment, or one the script sets itself (named in ``script_sets``), is left alone.
+    """
+    for setting, (var, _) in NCCL_ENV.items():
+        value = knob(f"nccl_env.{setting}", "default")
+        if value == "default" or var in script_sets:
+            continue
+        os.environ.setdefault(var, nccl_env_value(setting, value))
+
+
 # --- trial protocol ----------------------------------------------------------------------------------------
 
 
