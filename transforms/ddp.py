@@ -1,0 +1,110 @@
+"""ddp: tune DistributedDataParallel's gradient buckets and graph assumptions."""
+
+from __future__ import annotations
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Mode, Status, Transform, add_args, kwarg
+from autotune.transforms._dist import DDP, calls_to, moved, positional, runtime_splat
+
+SETTINGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
+# DistributedDataParallel(module, device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
+# bucket_cap_mb, ...): from the seventh positional argument on (sixth before torch 2.4) settings could be positional.
+_POSITIONAL_SETTINGS = 6
+# With three or more ranks the all-reduce sums each gradient element in an order that depends on where it sits in
+# its bucket (ring chunks): measured with gloo and 3 ranks, each of these settings moves gradients by 1e-8.
+# static_graph=True with no_sync() accumulation hits "expect_autograd_hooks_ INTERNAL ASSERT" on the first backward
+# (torch 2.13, measured here) and, once that is worked around, stops all-reducing from the second step on.
+_STATIC_NO_SYNC = "it breaks no_sync() gradient accumulation (pytorch/pytorch#187732)"
+_REORDER = "bucket layout changes the all-reduce's summation order with 3+ ranks (last-bit differences)"
+
+
+class Ddp(Transform):
+    """Tune DistributedDataParallel: gradient bucket size, gradients as bucket views, static graph."""
+
+    name = "ddp"
+    knobs = (
+        Knob(
+            "ddp.bucket_cap_mb",
+            (10, 25, 50, 100),
+            25,
+            Numerics.REORDER,
+            help="MiB of gradients per all-reduce bucket (25 is torch's default): larger buckets mean fewer "
+            f"collectives, smaller ones start overlapping with backward sooner; {_REORDER}",
+        ),
+        Knob(
+            "ddp.gradient_as_bucket_view",
+            (False, True),
+            False,
+            Numerics.REORDER,
+            help="gradients are views into the all-reduce buckets: saves one gradient-sized copy and its memory; "
+            f"{_REORDER}",
+        ),
+        Knob(
+            "ddp.static_graph",
+            (False, True),
+            False,
+            Numerics.REORDER,
+            help="promise that the set of used parameters and the graph never change between steps: DDP then skips "
+            "its per-step bookkeeping (a dynamic graph fails or diverges, which a trial shows); never offered where "
+            f"gradients accumulate under no_sync(): {_STATIC_NO_SYNC}; {_REORDER}",
+        ),
+    )
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._read: set[str] = set()
+        self._no_sync: bool | None = None
+
+    def knobs_read(self) -> tuple[Knob, ...]:
+        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self._read)
+
+    def _skips_sync(self) -> bool:
+        """Whether gradients may accumulate under no_sync() here: the script's own, or the no_sync knob's."""
+        if self._no_sync is None:
+            from autotune.transforms.no_sync import NoSync
+
+            probe = NoSync(self.project, Mode())
+            for module in self.project.modules:
+                probe.apply(module, Edits())
+            self._no_sync = any(s.status in (Status.APPLICABLE, Status.PRESENT) for s in probe.sites)
+        return self._no_sync
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        for call in calls_to(facts, DDP):
+            if runtime_splat(facts, call, "ddp_kwargs"):
+                self.report(facts, call, Status.PRESENT, "DDP settings are already knobs")
+                continue
+            splat = next((a for a in call.args if a.star), None)
+            if splat is not None:
+                self.report(facts, call, Status.NOT_APPLICABLE, f"{splat.star}{facts.code(splat.value)} may set the DDP settings")
+                continue
+            if len(positional(call)) > _POSITIONAL_SETTINGS:
+                self.report(facts, call, Status.NOT_APPLICABLE, "DDP settings may be passed by position")
+                continue
+            written = {a.keyword.value: a for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
+            kept = ", ".join(f"{n}={facts.code(a.value)}" for n, a in written.items())
+            if len(written) == len(SETTINGS):
+                self.report(facts, call, Status.USER, f"DDP({kept}) is the script's choice")
+                continue
+            free = [n for n in SETTINGS if n not in written]
+            left_out = ""
+            if "static_graph" in free and self._skips_sync():
+                free.remove("static_graph")
+                left_out = f"; static_graph left out: {_STATIC_NO_SYNC}"
+            verb = "becomes a knob" if len(free) == 1 else "become knobs"
+            reason = f"DDP: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "") + left_out
+            self.report(facts, call, Status.APPLICABLE, reason)
+            if self.mode.gated:
+                self._read.update(free)
+                helper = edits.runtime("ddp_kwargs")
+                names = set(written)
+                edits.rewrite(call, lambda node, names=names, helper=helper: moved(node, names, helper))
+                continue
+            extra = [
+                kwarg(k.name.split(".", 1)[1], repr(self.mode.value(k)))
+                for k in self.knobs
+                if k.name.split(".", 1)[1] in free and self.mode.value(k) != k.default
+            ]
+            if extra:
+                edits.rewrite(call, lambda node, extra=extra: add_args(node, *extra))
