@@ -1,0 +1,195 @@
+"""nccl_env: NCCL's all-reduce algorithm, channel count and buffer size, set before the process group starts."""
+
+from __future__ import annotations
+
+import sys
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform, stmt
+from autotune.transforms._dist import INIT_DEVICE_MESH, INIT_PROCESS_GROUP, backend_arg, calls_to, literal_string, nodes_of
+
+# knob setting -> environment variable; the values are autotune.runtime's nccl_env_value() (a test keeps them equal)
+VARIABLES = {"algo": "NCCL_ALGO", "min_nchannels": "NCCL_MIN_NCHANNELS", "buffsize_mb": "NCCL_BUFFSIZE"}
+# tree: all-reduce pinned to Tree, every other collective free to use Ring or Tree. A bare NCCL_ALGO=Tree leaves
+# broadcast and all-gather with no algorithm (NVIDIA/nccl#317); a bare "allreduce:tree" disables the others from
+# NCCL 2.31 on (vllm-project/vllm#58179).
+ALGO = {"ring": "Ring", "tree": "ring,tree;allreduce:tree"}
+_SETTERS = ("setdefault", "putenv", "update", "__setitem__")
+_CUDA = frozenset({"cuda"})
+# Every one of these changes how NCCL splits a buffer into ring or tree steps, hence the order in which each
+# element's contributions are summed.
+_ORDER = "changes the order of the sums"
+
+
+class NcclEnv(Transform):
+    """Set NCCL_ALGO, NCCL_MIN_NCHANNELS and NCCL_BUFFSIZE before the NCCL process group starts."""
+
+    name = "nccl_env"
+    entry_only = True
+    devices = _CUDA
+    knobs = (
+        Knob(
+            "nccl_env.algo",
+            ("default", "ring", "tree"),
+            "default",
+            Numerics.REORDER,
+            _CUDA,
+            help="default: NCCL picks per message size; ring: NCCL_ALGO=Ring (every collective has it); tree: "
+            "all-reduce as a tree, the rest ring or tree (NCCL_ALGO='ring,tree;allreduce:tree', NCCL 2.24+: a bare "
+            f"Tree leaves broadcast and all-gather without an algorithm); {_ORDER}",
+        ),
+        Knob(
+            "nccl_env.min_nchannels",
+            ("default", 4, 8, 16, 32),
+            "default",
+            Numerics.REORDER,
+            _CUDA,
+            help=f"NCCL_MIN_NCHANNELS: at least this many channels (thread blocks) per collective; {_ORDER}",
+        ),
+        Knob(
+            "nccl_env.buffsize_mb",
+            ("default", 1, 2, 8, 16),
+            "default",
+            Numerics.REORDER,
+            _CUDA,
+            help=f"NCCL_BUFFSIZE in MiB (NCCL's default is 4): the staging buffer per channel and peer; {_ORDER}",
+        ),
+    )
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._read: set[str] = set()
+
+    def knobs_read(self) -> tuple[Knob, ...]:
+        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self._read)
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        patched = next((c for c in facts.calls if facts.is_runtime_call(c, "nccl_env")), None)
+        if patched is not None:
+            self.report(facts, patched, Status.PRESENT, "the NCCL variables are already knobs")
+            return
+        starts = self._process_groups()
+        if not starts:
+            self.report(facts, facts.module, Status.NOT_APPLICABLE, "no process group is started with the NCCL backend")
+            return
+        script = self._script_sets()
+        for module, node, var in script:
+            self.report(module, node, Status.USER, f"the script sets {var} itself")
+        free = [s for s, var in VARIABLES.items() if var not in {v for _, _, v in script}]
+        if not free:
+            return
+        module, call, how = starts[0]
+        anchor = _first_import(facts)
+        self.report(facts, anchor, Status.APPLICABLE, f"{', '.join(VARIABLES[s] for s in free)} before {how}")
+        if self.mode.gated:
+            self._read.update(free)
+            sets = sorted(VARIABLES[s] for s in VARIABLES if s not in free)
+            quoted = ", ".join(f'"{v}"' for v in sets)
+            arg = f"script_sets=({quoted},)" if sets else ""
+            edits.prelude(stmt(f"{edits.runtime('nccl_env')}({arg})\n"))
+            return
+        lines = []
+        for knob in self.knobs:
+            setting = knob.name.split(".", 1)[1]
+            value = self.mode.value(knob)
+            if setting in free and value != knob.default:
+                lines.append(stmt(f'os.environ.setdefault("{VARIABLES[setting]}", "{env_value(setting, value)}")\n'))
+        if not lines:
+            return
+        lines[0] = lines[0].with_changes(
+            leading_lines=[cst.EmptyLine(), cst.EmptyLine(comment=cst.Comment("# NCCL reads these when the process group starts"))]
+        )
+        early_os = _early_os_import(facts)
+        if early_os is not None:
+            edits.insert_after(early_os, *lines)
+        else:
+            edits.prelude(stmt("import os\n"), *lines)
+
+    def _process_groups(self) -> list[tuple[ModuleFacts, cst.Call, str]]:
+        """Where the project starts a process group that can use NCCL: (module, call, how)."""
+        out = []
+        for module in self.project.modules:
+            for call in calls_to(module, INIT_PROCESS_GROUP):
+                backend = backend_arg(call)
+                name = literal_string(backend)
+                where = f"{module.code(call.func)}() at {module.display}:{module.position(call)[0]}"
+                if backend is None or (name is not None and "nccl" in name.lower()):
+                    out.append((module, call, where))  # no backend: torch picks NCCL for CUDA tensors
+                elif name is None:
+                    out.append((module, call, where + " (backend chosen at run time)"))
+            for call in calls_to(module, INIT_DEVICE_MESH):
+                args = [a for a in call.args if a.keyword is None]
+                kind = literal_string(args[0].value) if args else None
+                if kind in (None, "cuda"):
+                    out.append((module, call, f"{module.code(call.func)}() at {module.display}:{module.position(call)[0]}"))
+        return out
+
+    def _script_sets(self) -> list[tuple[ModuleFacts, cst.CSTNode, str]]:
+        """The NCCL variables the script writes itself (``os.environ["NCCL_ALGO"] = ...``)."""
+        found = []
+        names = set(VARIABLES.values())
+        for module in self.project.modules:
+            for node in nodes_of(module, cst.SimpleString):
+                if node.evaluated_value not in names:
+                    continue
+                line = module.statement_of(node)
+                for anc in module.ancestors(node):
+                    if anc is line:
+                        break
+                    if isinstance(anc, cst.AssignTarget) or (
+                        isinstance(anc, cst.Call) and isinstance(anc.func, cst.Attribute) and anc.func.attr.value in _SETTERS
+                    ):
+                        found.append((module, node, node.evaluated_value))
+                        break
+        return found
+
+
+def env_value(setting: str, value) -> str:
+    """The environment value of a choice of ``nccl_env.<setting>``."""
+    if setting == "algo":
+        return ALGO[value]
+    return str(int(value) * 1024 * 1024) if setting == "buffsize_mb" else str(value)
+
+
+def _top_imports(facts: ModuleFacts):
+    for s in facts.module.body:
+        if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
+            yield s
+
+
+def _first_import(facts: ModuleFacts) -> cst.CSTNode:
+    for line in _top_imports(facts):
+        first = line.body[0]
+        if not (isinstance(first, cst.ImportFrom) and isinstance(first.module, cst.Name) and first.module.value == "__future__"):
+            return first
+    return facts.module
+
+
+def _early_os_import(facts: ModuleFacts) -> cst.SimpleStatementLine | None:
+    """The last of the leading standard-library import lines, when ``import os`` is among them: nothing can have
+    started NCCL yet, and ``os`` is there to use."""
+    last, has_os = None, False
+    for s in facts.module.body:
+        if not (isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body)):
+            if last is None and isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and isinstance(s.body[0], cst.Expr):
+                continue  # the docstring
+            break
+        if not all(_stdlib(facts, small) for small in s.body):
+            break
+        last = s
+        has_os = has_os or any(
+            isinstance(small, cst.Import) and any(a.asname is None and facts.code(a.name) == "os" for a in small.names)
+            for small in s.body
+        )
+    return last if has_os else None
+
+
+def _stdlib(facts: ModuleFacts, small: cst.BaseSmallStatement) -> bool:
+    if isinstance(small, cst.ImportFrom):
+        if small.relative or small.module is None:
+            return False  # a local module: it may import torch
+        return facts.code(small.module).split(".")[0] in sys.stdlib_module_names
+    return all(facts.code(a.name).split(".")[0] in sys.stdlib_module_names for a in small.names)  # type: ignore[union-attr]
