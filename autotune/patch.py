@@ -88,9 +88,10 @@ def run(
         transforms = [t for t in transforms if any(mode.value(k) != k.default for k in t.knobs)]
     instances = [t(project, mode) for t in transforms]
     used: dict[str, Knob] = {}
-    files = []
+    per_file: list[tuple[ModuleFacts, Edits]] = []
     for facts in project.modules:
         edits = Edits()
+        per_file.append((facts, edits))
         for transform in instances:
             if transform.entry_only and facts is not project.entry:
                 continue
@@ -100,8 +101,12 @@ def run(
             # a site already present can still be made a knob (the dtype of the script's own autocast)
             if mode.gated and (applicable or edits.runtime_calls > asked):
                 used.update((k.name, k) for k in transform.knobs_read())
-        if mode.gated and hooks and edits:
+    # a trial times the loop wherever it lives, even when only the model's file changed (sdpa, checkpointing)
+    if mode.gated and hooks and any(edits for _, edits in per_file):
+        for facts, edits in per_file:
             _step_hooks(project, facts, edits)
+    files = []
+    for facts, edits in per_file:
         new_text = _apply(facts, edits).code if edits else facts.source
         if new_text != facts.source:
             try:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from autotune.analysis import load_project
-from autotune.patch import run, write_outputs
+from autotune.patch import run, select, write_outputs
 from loss_probe import run_probe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,3 +82,13 @@ def test_knob_table_lists_injected_knobs(script: Path, patched):
 def test_already_optimized_script_is_left_alone():
     result = run(load_project(REPO / "fixtures/scripts/already_optimized.py"))
     assert not result.changed, result.diff()
+
+
+def test_step_hook_lands_in_the_loop_file_when_only_the_model_file_changes():
+    project = load_project(REPO / "fixtures/projects/minigpt/train.py")
+    result = run(project, select(["sdpa"]))
+    changed = {f.rel.as_posix(): f.new_text for f in result.files if f.changed}
+    (loop,) = project.loops
+    loop_file = loop.module.path.relative_to(project.root).as_posix()
+    assert any("scaled_dot_product_attention" in text for text in changed.values())
+    assert "_autotune.step(" in changed[loop_file]
