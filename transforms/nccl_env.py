@@ -115,16 +115,16 @@ class NcclEnv(Transform):
             for call in calls_to(module, INIT_PROCESS_GROUP):
                 backend = backend_arg(call)
                 name = literal_string(backend)
-                where = f"{module.code(call.func)}() at {module.display}:{module.position(call)[0]}"
+                where = _where(self.project, module, call)
                 if backend is None or (name is not None and "nccl" in name.lower()):
                     out.append((module, call, where))  # no backend: torch picks NCCL for CUDA tensors
                 elif name is None:
-                    out.append((module, call, where + " (backend chosen at run time)"))
+                    out.append((module, call, where[:-1] + ", backend chosen at run time)"))
             for call in calls_to(module, INIT_DEVICE_MESH):
                 args = [a for a in call.args if a.keyword is None]
                 kind = literal_string(args[0].value) if args else None
                 if kind in (None, "cuda"):
-                    out.append((module, call, f"{module.code(call.func)}() at {module.display}:{module.position(call)[0]}"))
+                    out.append((module, call, _where(self.project, module, call)))
         return out
 
     def _script_sets(self) -> list[tuple[ModuleFacts, cst.CSTNode, str]]:
@@ -145,6 +145,13 @@ class NcclEnv(Transform):
                         found.append((module, node, node.evaluated_value))
                         break
         return found
+
+
+def _where(project, module: ModuleFacts, call: cst.Call) -> str:
+    """``dist.init_process_group() (line 12)``, with the file when it is not the entry script."""
+    line = module.position(call)[0]
+    place = f"line {line}" if module is project.entry else f"{module.display}:{line}"
+    return f"{module.code(call.func)}() ({place})"
 
 
 def env_value(setting: str, value) -> str:
