@@ -44,12 +44,6 @@ def nodes_in(facts: ModuleFacts, owner: cst.CSTNode, kind: type) -> list:
     return [n for n in nodes(facts, kind) if lo <= facts._enter[n] < hi]
 
 
-def qualname(facts: ModuleFacts, expr: cst.BaseExpression) -> str | None:
-    """``facts.qualname``, also naming classes and functions defined in the file itself (``Block`` -> ``model.Block``)."""
-    if isinstance(expr, cst.Name) and expr.value in facts.classes and expr.value not in facts.imports:
-        return f"{facts.modname}.{expr.value}"
-    return facts.qualname(expr)
-
 
 def is_name(node: cst.CSTNode, value: str | None = None) -> bool:
     return isinstance(node, cst.Name) and (value is None or node.value == value)
@@ -238,7 +232,7 @@ class ClassRef:
         """The qualified name of the class ``self.<attr>`` is built from (``torch.nn.Dropout``)."""
         value = self.attr_value(attr)
         if isinstance(value, cst.Call):
-            return qualname(self.facts, value.func)
+            return self.facts.qualname(value.func)
         return None
 
 
@@ -298,7 +292,7 @@ def model_class(project: Project, facts: ModuleFacts, scope: cst.CSTNode, expr: 
         return None
     if not isinstance(expr, cst.Call):
         return None
-    qual = qualname(facts, expr.func)
+    qual = facts.qualname(expr.func)
     ref = find_class(project, qual)
     if ref is not None:
         return ref
@@ -363,7 +357,7 @@ def stack_of(facts: ModuleFacts, scope: cst.CSTNode | None, value: cst.BaseExpre
     """``nn.ModuleList([Block() for _ in range(n)])``, ``nn.Sequential(*blocks)``, ``nn.Sequential(A(), A())``."""
     if not isinstance(value, cst.Call):
         return None
-    kind = qualname(facts, value.func)
+    kind = facts.qualname(value.func)
     if kind not in (MODULE_LIST, SEQUENTIAL):
         return None
     calls: list[cst.Call] | None = None
@@ -375,7 +369,7 @@ def stack_of(facts: ModuleFacts, scope: cst.CSTNode | None, value: cst.BaseExpre
         calls = [a.value for a in value.args] if all(isinstance(a.value, cst.Call) for a in value.args) else None
     if not calls:
         return Stack(kind, None, None, (), facts)
-    quals = {qualname(facts, c.func) for c in calls}
+    quals = {facts.qualname(c.func) for c in calls}
     count = len(calls) if len(calls) > 1 else None
     return Stack(kind, quals.pop() if len(quals) == 1 else None, count, tuple(calls), facts)
 
@@ -388,7 +382,7 @@ def is_block_class(project: Project, qual: str | None) -> bool:
 
 def dict_entry(facts: ModuleFacts, value: cst.BaseExpression, key: str) -> cst.BaseExpression | None:
     """The entry ``key`` of ``nn.ModuleDict(dict(key=...))`` or ``nn.ModuleDict({"key": ...})``."""
-    if not (isinstance(value, cst.Call) and qualname(facts, value.func) == MODULE_DICT and len(value.args) == 1):
+    if not (isinstance(value, cst.Call) and facts.qualname(value.func) == MODULE_DICT and len(value.args) == 1):
         return None
     inner = value.args[0].value
     if isinstance(inner, cst.Call) and is_name(inner.func, "dict"):
@@ -402,7 +396,7 @@ def dict_entry(facts: ModuleFacts, value: cst.BaseExpression, key: str) -> cst.B
 
 
 def dict_entries(facts: ModuleFacts, value: cst.BaseExpression) -> list[tuple[str, cst.BaseExpression]]:
-    if not (isinstance(value, cst.Call) and qualname(facts, value.func) == MODULE_DICT and len(value.args) == 1):
+    if not (isinstance(value, cst.Call) and facts.qualname(value.func) == MODULE_DICT and len(value.args) == 1):
         return []
     inner = value.args[0].value
     if isinstance(inner, cst.Call) and is_name(inner.func, "dict"):
@@ -455,7 +449,7 @@ def block_paths(project: Project, model, depth: int = 0) -> list[str]:
                     out.append(f"{attr}.{key}")
             continue
         if isinstance(value, cst.Call):
-            qual = qualname(model.facts, value.func)
+            qual = model.facts.qualname(value.func)
             if qual in TORCH_STACKS:
                 out.extend(f"{attr}.{p}" for p in TORCH_STACKS[qual])
                 continue

@@ -62,12 +62,6 @@ def strip_module_chain(expr: cst.BaseExpression) -> cst.BaseExpression:
 _CLASSES: weakref.WeakKeyDictionary[Project, dict[str, tuple[ModuleFacts, cst.ClassDef]]] = weakref.WeakKeyDictionary()
 
 
-def qualname(facts: ModuleFacts, expr: cst.BaseExpression) -> str | None:
-    """``facts.qualname``, which also names the classes defined in the file itself (``Net`` -> ``train.Net``)."""
-    if isinstance(expr, cst.Name) and expr.value in facts.classes and expr.value not in facts.imports:
-        return f"{facts.modname}.{expr.value}"
-    return facts.qualname(expr)
-
 
 def local_classes(project: Project) -> dict[str, tuple[ModuleFacts, cst.ClassDef]]:
     """Local nn.Module subclasses by qualified name, including subclasses of local subclasses."""
@@ -86,7 +80,7 @@ def local_classes(project: Project) -> dict[str, tuple[ModuleFacts, cst.ClassDef
         for facts in project.modules:
             for name, cls in facts.classes.items():
                 qual = f"{facts.modname}.{name}"
-                if qual not in found and any(qualname(facts, b.value) in found for b in cls.bases):
+                if qual not in found and any(facts.qualname(b.value) in found for b in cls.bases):
                     found[qual] = (facts, cls)
                     grew = True
     return found
@@ -94,7 +88,7 @@ def local_classes(project: Project) -> dict[str, tuple[ModuleFacts, cst.ClassDef
 
 def is_module_ctor(project: Project, facts: ModuleFacts, call: cst.Call) -> bool:
     """Whether ``call`` builds an nn.Module: a local subclass, a torch.nn class or a torchvision model."""
-    qual = qualname(facts, call.func)
+    qual = facts.qualname(call.func)
     if not qual:
         return False
     if qual in local_classes(project):

@@ -15,7 +15,6 @@ from autotune.transforms._sites import (
     h2d_copy,
     is_module_ctor,
     local_classes,
-    qualname,
     strip_module_chain,
     training_regions,
 )
@@ -129,7 +128,7 @@ class ChannelsLast(Transform):
     def _has_conv(self, facts: ModuleFacts, node: cst.CSTNode, seen: set) -> bool:
         """Whether building ``node`` (a call, a class body, a function) creates a 2-D convolution."""
         for call in facts.calls_in(node):
-            qual = qualname(facts, call.func)
+            qual = facts.qualname(call.func)
             if qual in _CONV2D:
                 return True
             if qual and qual.startswith("torchvision.models.") and not qual.startswith("torchvision.models.video."):
@@ -153,7 +152,7 @@ class ChannelsLast(Transform):
             return True
         classes = local_classes(self.project)
         for base in cls.bases:
-            qual = qualname(facts, base.value)
+            qual = facts.qualname(base.value)
             if qual in classes and qual not in seen:
                 seen.add(qual)
                 if self._class_has_conv(*classes[qual], seen):

@@ -22,7 +22,6 @@ from ._model import (
     is_name,
     names_read,
     positional,
-    qualname,
     unique_name,
 )
 
@@ -198,7 +197,7 @@ class Checkpointing(Transform):
         seen = set() if seen is None else seen
         for outer in calls:
             for call in facts.calls_in(outer):
-                qual = qualname(facts, call.func)
+                qual = facts.qualname(call.func)
                 if qual in STATEFUL:
                     return qual.rsplit(".", 1)[-1]
                 inner = find_class(self.project, qual)
@@ -217,7 +216,7 @@ class Checkpointing(Transform):
         )
 
     def _checkpointed(self, facts: ModuleFacts, node: cst.CSTNode) -> bool:
-        return any((qualname(facts, c.func) or "").startswith("torch.utils.checkpoint.") for c in facts.calls_in(node))
+        return any((facts.qualname(c.func) or "").startswith("torch.utils.checkpoint.") for c in facts.calls_in(node))
 
     # --- rewriting ---------------------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ from ._model import (
     find_class,
     find_function,
     model_class,
-    qualname,
     scope_of,
     unique_name,
 )
@@ -124,7 +123,7 @@ class Compile(Transform):
                     out.append(((facts, call), "the model is already compiled behind the compile knobs"))
                 elif facts.is_runtime_call(call, "compile_step_begin"):
                     continue
-                elif qualname(facts, func) == "torch.compile":
+                elif facts.qualname(func) == "torch.compile":
                     out.append(((facts, call), self._torch_compile_reason(facts, call, models)))
                 elif isinstance(func, cst.Attribute) and func.attr.value == "compile" and facts.code(func.value) in models:
                     out.append(((facts, call), f"{facts.code(func.value)}.compile() already compiles the model in place"))
@@ -232,7 +231,7 @@ class Compile(Transform):
 
     def _is_module_class(self, ref: ClassRef, depth: int = 0) -> bool:
         for base in ref.node.bases:
-            qual = qualname(ref.facts, base.value)
+            qual = ref.facts.qualname(base.value)
             if qual in _MODULE_BASES:
                 return True
             parent = find_class(self.project, qual)
@@ -245,7 +244,7 @@ class Compile(Transform):
         target = self.project.local_target(facts, call)
         if target is not None:
             return target[1]
-        qual = qualname(facts, call.func)
+        qual = facts.qualname(call.func)
         ref = find_class(self.project, qual)
         if ref is not None:
             return ref.node

@@ -22,7 +22,6 @@ from ._model import (
     names_read,
     nodes_in,
     positional,
-    qualname,
     scope_of,
     self_attr,
 )
@@ -94,13 +93,13 @@ class Sdpa(Transform):
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         for call in facts.calls:
-            qual = qualname(facts, call.func)
+            qual = facts.qualname(call.func)
             if qual in ATTENTION_MODULES:
                 short = qual.rsplit(".", 1)[-1]
                 self.report(facts, call, Status.PRESENT, f"nn.{short} already runs F.scaled_dot_product_attention")
         with_sdpa = set()
         for call in facts.calls:
-            if qualname(facts, call.func) == SDPA:
+            if facts.qualname(call.func) == SDPA:
                 with_sdpa.add(scope_of(facts, call))
         manual_scopes = set()
         reported: set[cst.CSTNode] = set()
@@ -123,7 +122,7 @@ class Sdpa(Transform):
             reported.add(match.softmax)
             self._rewrite(facts, edits, match)
         for call in facts.calls:
-            if qualname(facts, call.func) != SDPA:
+            if facts.qualname(call.func) != SDPA:
                 continue
             gate = next((a for a in facts.ancestors(call) if isinstance(a, cst.If) and facts.is_runtime_call(a.test, "sdpa_enabled")), None)
             if gate is not None:
@@ -143,7 +142,7 @@ class Sdpa(Transform):
             n for n in nodes_in(facts, facts.module, cst.BinaryOperation) if isinstance(n.operator, cst.MatrixMultiply)
         )
         for call in facts.calls:
-            qual = qualname(facts, call.func)
+            qual = facts.qualname(call.func)
             if qual in MATMUL or qual in EINSUM:
                 out.append(call)
         return sorted(out, key=facts._enter.__getitem__)
@@ -318,9 +317,9 @@ class _Matcher:
         facts = self.facts
         if isinstance(out, cst.BinaryOperation):
             weights, v = out.left, out.right
-        elif isinstance(out, cst.Call) and qualname(facts, out.func) in MATMUL and len(positional(out)) == 2:
+        elif isinstance(out, cst.Call) and facts.qualname(out.func) in MATMUL and len(positional(out)) == 2:
             weights, v = positional(out)
-        elif isinstance(out, cst.Call) and qualname(facts, out.func) in EINSUM:
+        elif isinstance(out, cst.Call) and facts.qualname(out.func) in EINSUM:
             operands = _einsum(out, "av")
             if operands is None:
                 raise _NoMatch
@@ -375,7 +374,7 @@ class _Matcher:
     def dropout_p(self, call: cst.Call) -> str:
         """The code of SDPA's dropout_p for ``self.attn_dropout(w)`` or ``F.dropout(w, p, training)``."""
         facts = self.facts
-        qual = qualname(facts, call.func)
+        qual = facts.qualname(call.func)
         if qual in DROPOUT_FN:
             p = argument(call, 1, "p")
             training = argument(call, 2, "train" if qual == "torch.dropout" else "training")
@@ -444,7 +443,7 @@ class _Matcher:
                             raise
                 raise AssertionError("unreachable")
         if isinstance(node, cst.Call):
-            qual = qualname(facts, node.func)
+            qual = facts.qualname(node.func)
             if qual in MATMUL and len(positional(node)) == 2:
                 return self.qk(*positional(node), idx)
             if qual in EINSUM:
@@ -690,10 +689,10 @@ def _dropout_input(call: cst.CSTNode) -> cst.BaseExpression | None:
 
 
 def _is_softmax(facts: ModuleFacts, call: cst.Call) -> bool:
-    if qualname(facts, call.func) in SOFTMAX:
+    if facts.qualname(call.func) in SOFTMAX:
         return True
     func = call.func
-    return isinstance(func, cst.Attribute) and func.attr.value == "softmax" and qualname(facts, func.value) not in (
+    return isinstance(func, cst.Attribute) and func.attr.value == "softmax" and facts.qualname(func.value) not in (
         "torch.nn.functional",
         "torch",
     )
