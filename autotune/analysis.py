@@ -428,6 +428,11 @@ class Project:
     def is_zero_grad_call(call: cst.Call) -> bool:
         return isinstance(call.func, cst.Attribute) and call.func.attr.value == "zero_grad"
 
+    def is_zero_grad_statement(self, facts: ModuleFacts, stmt: cst.BaseStatement) -> bool:
+        """Whether every call in ``stmt`` is a ``zero_grad()`` (and there is one)."""
+        calls = facts.calls_in(stmt)
+        return bool(calls) and all(self.is_zero_grad_call(c) for c in calls)
+
     def local_target(self, facts: ModuleFacts, call: cst.Call) -> tuple[ModuleFacts, cst.FunctionDef] | None:
         """The local function or method a call runs, when it can be resolved without running anything."""
         func = call.func

@@ -10,7 +10,7 @@ import yaml
 
 from autotune.analysis import Project
 from autotune.errors import UsageError
-from autotune.patch import CONFIG_NAME, PatchResult, run, select
+from autotune.patch import CONFIG_NAME, PatchResult, run, select, write_files
 from autotune.transform import Mode, all_knobs
 
 DIFF_NAME = "tuned.diff"
@@ -93,11 +93,7 @@ def write_baked(result: PatchResult, out_dir: Path, config: Mapping[str, Any] | 
         path = out_dir / CONFIG_NAME
         path.write_text(header + yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
         written.append(path)
-    for f in result.files:
-        dest = out_dir / f.rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(f.new_text, encoding="utf-8")
-        written.append(dest)
+    written.extend(write_files(result, out_dir))
     diff = out_dir / DIFF_NAME
     diff.write_text(result.diff(), encoding="utf-8")
     written.append(diff)

@@ -15,7 +15,7 @@ import yaml
 from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, Project, TrainingLoop, load_project
 from autotune.errors import UsageError
 from autotune.knobs import Knob
-from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, stmt
+from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
 
 CONFIG_NAME = "autotune.yaml"
 DIFF_NAME = "patch.diff"
@@ -228,7 +228,7 @@ class _Applier(cst.CSTTransformer):
 def _header_end(body: list[cst.BaseStatement]) -> int:
     """Index after the module docstring and ``from __future__`` imports."""
     i = 0
-    if body and _is_docstring(body[0]):
+    if body and is_docstring(body[0]):
         i = 1
     while i < len(body) and isinstance(body[i], cst.SimpleStatementLine) and all(
         isinstance(s, cst.ImportFrom) and isinstance(s.module, cst.Name) and s.module.value == "__future__"
@@ -237,14 +237,6 @@ def _header_end(body: list[cst.BaseStatement]) -> int:
         i += 1
     return i
 
-
-def _is_docstring(node: cst.BaseStatement) -> bool:
-    return (
-        isinstance(node, cst.SimpleStatementLine)
-        and len(node.body) == 1
-        and isinstance(node.body[0], cst.Expr)
-        and isinstance(node.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
 
 
 def _is_import_line(node: cst.BaseStatement) -> bool:
@@ -306,12 +298,8 @@ def knob_table(knobs: Iterable[Knob], values: Mapping[str, Any] | None = None) -
     }
 
 
-def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> list[Path]:
-    """Write the patched files, the unchanged local modules beside them, autotune.yaml and patch.diff."""
-    root = result.project.root
-    out_dir = out_dir.resolve()
-    if out_dir == root:
-        raise UsageError(f"{out_dir}: the output folder must not be the script's own folder (use --in-place)")
+def write_files(result: PatchResult, out_dir: Path) -> list[Path]:
+    """Every file of the project, changed or not, at its place relative to the entry script under ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for f in result.files:
@@ -319,6 +307,16 @@ def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> li
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(f.new_text, encoding="utf-8")
         written.append(dest)
+    return written
+
+
+def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> list[Path]:
+    """Write the patched files, the unchanged local modules beside them, autotune.yaml and patch.diff."""
+    root = result.project.root
+    out_dir = out_dir.resolve()
+    if out_dir == root:
+        raise UsageError(f"{out_dir}: the output folder must not be the script's own folder (use --in-place)")
+    written = write_files(result, out_dir)
     config = out_dir / CONFIG_NAME
     header = (
         f"# Knobs autotune injected into {script_display}. Every value is the default, which reproduces the\n"

@@ -177,6 +177,16 @@ def _with_comment(comma: cst.Comma, comment: cst.Comment | None) -> cst.Comma:
     return comma.with_changes(whitespace_after=ws.with_changes(first_line=line))
 
 
+def is_docstring(node: cst.BaseStatement) -> bool:
+    """Whether a statement is a bare string literal (a module, class or function docstring)."""
+    return (
+        isinstance(node, cst.SimpleStatementLine)
+        and len(node.body) == 1
+        and isinstance(node.body[0], cst.Expr)
+        and isinstance(node.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
 def keyword(call: cst.Call, name: str) -> cst.Arg | None:
     return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
 

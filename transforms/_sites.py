@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 
 import libcst as cst
 
@@ -167,16 +166,6 @@ def h2d_copy(facts: ModuleFacts, call: cst.CSTNode) -> bool:
     """Whether ``call`` is a copy to a device: ``x.to(device)``, ``x.to(device, dtype)``, ``x.cuda()``."""
     return isinstance(call, cst.Call) and device_arg(facts, call) is not None
 
-
-def bound_names(target: cst.BaseExpression) -> Iterator[str]:
-    """The plain names an assignment or ``for`` target binds."""
-    if isinstance(target, cst.Name):
-        yield target.value
-    elif isinstance(target, (cst.Tuple, cst.List)):
-        for element in target.elements:
-            yield from bound_names(element.value)
-    elif isinstance(target, cst.StarredElement):
-        yield from bound_names(target.value)
 
 
 def short(facts: ModuleFacts, expr: cst.BaseExpression, limit: int = 40) -> str:

@@ -8,7 +8,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, stmt
+from autotune.transform import Edits, Status, Transform, is_docstring, stmt
 
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads the first when both are set
 SETTERS = ("setdefault", "putenv", "update", "__setitem__")
@@ -135,7 +135,7 @@ def _early_os_import(facts: ModuleFacts) -> cst.SimpleStatementLine | None:
     """A top-level ``import os`` line that only standard-library imports precede: torch cannot be loaded yet."""
     for s in facts.module.body:
         if not _is_import_line(s):
-            if _is_docstring_or_future(s):
+            if is_docstring(s):
                 continue
             return None
         for small in s.body:
@@ -148,14 +148,6 @@ def _early_os_import(facts: ModuleFacts) -> cst.SimpleStatementLine | None:
             return s
     return None
 
-
-def _is_docstring_or_future(s: cst.BaseStatement) -> bool:
-    return (
-        isinstance(s, cst.SimpleStatementLine)
-        and len(s.body) == 1
-        and isinstance(s.body[0], cst.Expr)
-        and isinstance(s.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
 
 
 def _imported(small: cst.BaseSmallStatement) -> list[str]:

@@ -8,7 +8,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project, TrainingLoop
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, add_args, expr, is_literal, keyword, kwarg, stmt
+from autotune.transform import Edits, Status, Transform, is_docstring, add_args, expr, is_literal, keyword, kwarg, stmt
 
 AUTOCAST = {
     "torch.autocast",
@@ -446,12 +446,12 @@ def _forward_statements(
     block = facts.block_of(line)
     body = list(block.body)
     end = body.index(line)
-    while end > 0 and _only_zero_grad(project, facts, body[end - 1]):
+    while end > 0 and project.is_zero_grad_statement(facts, body[end - 1]):
         end -= 1  # forward, loss, zero_grad(), backward(): the forward and loss still count
     start = end
     while start > 0 and not _is_separator(project, facts, body[start - 1]):
         start -= 1
-    if start == 0 and body and _is_docstring(body[0]) and isinstance(facts.parent(block), cst.FunctionDef):
+    if start == 0 and body and is_docstring(body[0]) and isinstance(facts.parent(block), cst.FunctionDef):
         start = 1
     group = body[start:end]
     if not group:
@@ -459,18 +459,6 @@ def _forward_statements(
     return group, ""
 
 
-def _only_zero_grad(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
-    calls = facts.calls_in(s)
-    return bool(calls) and all(project.is_zero_grad_call(c) for c in calls)
-
-
-def _is_docstring(s: cst.BaseStatement) -> bool:
-    return (
-        isinstance(s, cst.SimpleStatementLine)
-        and len(s.body) == 1
-        and isinstance(s.body[0], cst.Expr)
-        and isinstance(s.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
 
 
 def _last_steps(facts: ModuleFacts, scope, steps: list[cst.Call]) -> list[cst.Call]:

@@ -9,9 +9,9 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, keyword, stmt
+from autotune.transforms._model import bound_names
 from autotune.transforms._sites import (
     Region,
-    bound_names,
     h2d_copy,
     is_module_ctor,
     local_classes,

@@ -8,7 +8,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts, StepScope
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, expr
+from autotune.transform import Edits, Status, Transform, is_docstring, expr
 from autotune.transforms._dist import Wrapped, assigned_chains, chains, conflicts, ddp_models, nodes_of
 
 # Expressions that may run code or bind names: the accumulation condition is evaluated once more, before the
@@ -245,12 +245,12 @@ def _forward_start(project, facts: ModuleFacts, body: list[cst.BaseStatement], e
     autocast transform, so that a region autocast wraps always lies inside this one.
     """
     k = end
-    while k > 0 and _only_zero_grad(project, facts, body[k - 1]):
+    while k > 0 and project.is_zero_grad_statement(facts, body[k - 1]):
         k -= 1
     start = k
     while start > 0 and not _separator(project, facts, body[start - 1]):
         start -= 1
-    if start == 0 and body and _is_docstring(body[0]) and isinstance(facts.parent(facts.block_of(body[0])), cst.FunctionDef):
+    if start == 0 and body and is_docstring(body[0]) and isinstance(facts.parent(facts.block_of(body[0])), cst.FunctionDef):
         start = 1
     return start
 
@@ -262,18 +262,6 @@ def _separator(project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
     )
 
 
-def _only_zero_grad(project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
-    calls = facts.calls_in(s)
-    return bool(calls) and all(project.is_zero_grad_call(c) for c in calls)
-
-
-def _is_docstring(s: cst.BaseStatement) -> bool:
-    return (
-        isinstance(s, cst.SimpleStatementLine)
-        and len(s.body) == 1
-        and isinstance(s.body[0], cst.Expr)
-        and isinstance(s.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
 
 
 def _is_continue(node: cst.If) -> bool:
