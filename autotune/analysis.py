@@ -87,7 +87,13 @@ class _Collector(cst.CSTVisitor):
         self.counter += 1
         self.stack.append(node)
         kind = type(node)
-        if kind is cst.Call:
+        if kind is cst.Name:
+            f.names.add(node.value)
+        elif kind is cst.SimpleString:
+            f.strings.append(node)
+        elif kind is cst.Assign:
+            f.assigns.append(node)
+        elif kind is cst.Call:
             f.calls.append(node)
             f._call_enter.append(self.counter - 1)
         elif kind is cst.For or kind is cst.While:
@@ -153,6 +159,9 @@ class ModuleFacts:
     loops: list[cst.For | cst.While] = field(default_factory=list)
     functions: list[cst.FunctionDef] = field(default_factory=list)
     classes: dict[str, cst.ClassDef] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)  # every identifier used
+    strings: list[cst.SimpleString] = field(default_factory=list)
+    assigns: list[cst.Assign] = field(default_factory=list)
     _call_enter: list[int] = field(default_factory=list, repr=False)  # pre-order index of each call
     _parent: dict[cst.CSTNode, cst.CSTNode] = field(default_factory=dict, repr=False)
     _enter: dict[cst.CSTNode, int] = field(default_factory=dict, repr=False)

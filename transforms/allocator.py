@@ -84,7 +84,7 @@ def _script_settings(facts: ModuleFacts):
     for call in facts.calls:
         if facts.qualname(call.func) in SETTING_CALLS:
             yield call, facts.code(call)
-    for node in _strings(facts):
+    for node in facts.strings:
         if node.evaluated_value not in ENV_NAMES:
             continue
         line = facts.statement_of(node)
@@ -99,19 +99,6 @@ def _script_settings(facts: ModuleFacts):
         if written:
             yield node, facts.code(line)
 
-
-class _Strings(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.found: list[cst.SimpleString] = []
-
-    def visit_SimpleString(self, node: cst.SimpleString) -> None:
-        self.found.append(node)
-
-
-def _strings(facts: ModuleFacts) -> list[cst.SimpleString]:
-    visitor = _Strings()
-    facts.module.visit(visitor)
-    return visitor.found
 
 
 def _is_import_line(s: cst.BaseStatement) -> bool:

@@ -545,22 +545,13 @@ def _torch_name(facts: ModuleFacts, edits: Edits, baking: bool) -> str:
     return "torch"
 
 
-class _Names(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names.add(node.value)
-
 
 def _free_name(project: Project, candidates: tuple[str, ...]) -> str:
-    names = _Names()
-    for facts in project.modules:
-        facts.module.visit(names)
+    used = set().union(*(facts.names for facts in project.modules))
     for name in candidates:
-        if name not in names.names:
+        if name not in used:
             return name
     i = 2
-    while f"{candidates[0]}_{i}" in names.names:
+    while f"{candidates[0]}_{i}" in used:
         i += 1
     return f"{candidates[0]}_{i}"

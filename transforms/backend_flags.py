@@ -114,7 +114,7 @@ class BackendFlags(Transform):
             if qual in CALLED and call.args:
                 code = f"{facts.code(call.func)}({facts.code(call.args[0].value)})"
                 found.append((call, code, call.args[0].value, CALLED[qual]))
-        for assign in _assignments(facts):
+        for assign in facts.assigns:
             for target in assign.targets:
                 qual = facts.qualname(target.target)
                 if qual in ASSIGNED:
@@ -131,19 +131,6 @@ class BackendFlags(Transform):
         else:
             self.report(facts, node, Status.USER, f"the script sets {code}: its choice is kept")
 
-
-class _Assignments(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.found: list[cst.Assign] = []
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        self.found.append(node)
-
-
-def _assignments(facts: ModuleFacts) -> list[cst.Assign]:
-    visitor = _Assignments()
-    facts.module.visit(visitor)
-    return visitor.found
 
 
 def _last_import(facts: ModuleFacts) -> cst.CSTNode:
