@@ -168,6 +168,7 @@ class ModuleFacts:
     _exit: dict[cst.CSTNode, int] = field(default_factory=dict, repr=False)
     _pos: dict[cst.CSTNode, tuple[int, int]] | None = field(default=None, repr=False)
     _plain_functions: dict[str, cst.FunctionDef] | None = field(default=None, repr=False)
+    _methods: dict[tuple[cst.ClassDef, str], cst.FunctionDef] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: Path, display: str, modname: str, source: str | None = None) -> ModuleFacts:
@@ -253,7 +254,13 @@ class ModuleFacts:
         return self._plain_functions.get(name)
 
     def method_named(self, cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-        return next((f for f in self.functions if f.name.value == name and self.class_of(f) is cls), None)
+        if self._methods is None:
+            self._methods = {}
+            for f in self.functions:
+                owner = self.class_of(f)
+                if owner is not None:
+                    self._methods.setdefault((owner, f.name.value), f)
+        return self._methods.get((cls, name))
 
     def has_runtime_import(self) -> bool:
         return self.imports.get(RUNTIME_ALIAS) == RUNTIME_MODULE
@@ -313,10 +320,14 @@ def _positions(facts: ModuleFacts) -> dict[cst.CSTNode, tuple[int, int]]:
         if ctype is not None:
             by_type[ctype].append(node)
     lines = facts.source.splitlines()
-    ordered = sorted(facts._enter, key=facts._enter.__getitem__)
+    cst_by_type: dict[type, list[cst.CSTNode]] = {t: [] for t in _AST_TWINS}
+    for node in facts._enter:  # filled by the collector in pre-order
+        bucket = cst_by_type.get(type(node))
+        if bucket is not None:
+            bucket.append(node)
     out: dict[cst.CSTNode, tuple[int, int]] = {}
     for ctype, anodes in by_type.items():
-        cnodes = [n for n in ordered if type(n) is ctype]
+        cnodes = cst_by_type[ctype]
         if len(cnodes) != len(anodes):
             return _libcst_positions(facts)
         anodes.sort(key=lambda a: (a.lineno, a.col_offset, -(a.end_lineno or 0), -(a.end_col_offset or 0)))
