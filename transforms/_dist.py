@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project
-from autotune.transform import add_args, kwarg, star_kwargs
 
 DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
 FSDP = {
@@ -58,34 +57,6 @@ def runtime_splat(facts: ModuleFacts, call: cst.Call, helper: str) -> bool:
     return any(a.star == "**" and facts.is_runtime_call(a.value, helper) for a in call.args)
 
 
-def moved(call: cst.Call, names: set[str], helper: str) -> cst.Call:
-    """``call`` whose keyword arguments in ``names`` move, as written, into ``**helper(...)`` appended last."""
-    args = list(call.args)
-    taken = [a for a in args if a.keyword is not None and a.keyword.value in names]
-    keep = [a for a in args if a not in taken]
-    if keep and taken and keep[-1] is not args[-1]:
-        keep[-1] = keep[-1].with_changes(comma=args[-1].comma)  # the last argument's comma: trailing or none
-    space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
-    inner_args = [kwarg(a.keyword.value, a.value) for a in taken]
-    inner_args = [a.with_changes(comma=space) for a in inner_args[:-1]] + inner_args[-1:]
-    inner = cst.Call(func=cst.parse_expression(helper), args=inner_args)
-    out = add_args(call.with_changes(args=keep), star_kwargs(inner))
-    # a comment that followed a moved argument (one argument per line) now follows the helper's line
-    comments = [c for a in taken if (c := _comment(a.comma)) is not None]
-    last = out.args[-1]
-    if comments and _comment(last.comma) is None and isinstance(last.comma, cst.Comma):
-        ws = last.comma.whitespace_after
-        if isinstance(ws, cst.ParenthesizedWhitespace):
-            line = ws.first_line.with_changes(whitespace=cst.SimpleWhitespace("  "), comment=comments[0])
-            out = out.with_changes(args=[*out.args[:-1], last.with_changes(comma=last.comma.with_changes(
-                whitespace_after=ws.with_changes(first_line=line)))])
-    return out
-
-
-def _comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comment | None:
-    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
-        return comma.whitespace_after.first_line.comment
-    return None
 
 
 # --- which names hold a DDP model ---------------------------------------------------------------------------

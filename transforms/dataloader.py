@@ -6,7 +6,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, add_args, kwarg, star_kwargs
+from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_into_helper
 
 _DATALOADER = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
@@ -91,7 +91,7 @@ class Dataloader(Transform):
                 self._read.update(free)
                 helper = edits.runtime("dataloader_kwargs")
                 moved = set(written)
-                edits.rewrite(call, lambda node, moved=moved, helper=helper: _moved(node, moved, helper))
+                edits.rewrite(call, lambda node, moved=moved, helper=helper: move_into_helper(node, moved, helper))
             else:
                 extra = self._baked(facts, written)
                 if extra:
@@ -128,33 +128,3 @@ class Dataloader(Transform):
             out.append(kwarg("prefetch_factor", f"{prefetch} if {when} else None" if when else str(prefetch)))
         return out
 
-
-def _moved(call: cst.Call, moved: set[str], helper: str) -> cst.Call:
-    """``call`` whose settings named in ``moved`` move, as written, into ``**helper(...)`` appended last."""
-    args = list(call.args)
-    taken = [a for a in args if a.keyword is not None and a.keyword.value in moved]
-    keep = [a for a in args if a not in taken]
-    if keep and keep[-1] is not args[-1]:
-        keep[-1] = keep[-1].with_changes(comma=args[-1].comma)  # the last argument's comma (trailing or none)
-    inner = cst.Call(func=cst.parse_expression(helper), args=[kwarg(a.keyword.value, a.value) for a in taken])
-    inner = inner.with_changes(
-        args=[a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))) for a in inner.args[:-1]]
-        + list(inner.args[-1:])
-    )
-    out = add_args(call.with_changes(args=keep), star_kwargs(inner))
-    comments = [c for a in taken if (c := _comment(a.comma)) is not None]
-    last = out.args[-1]
-    if comments and _comment(last.comma) is None and isinstance(last.comma, cst.Comma):
-        space = last.comma.whitespace_after
-        if isinstance(space, cst.ParenthesizedWhitespace):  # one argument per line: the comments follow the values
-            line = space.first_line.with_changes(whitespace=cst.SimpleWhitespace("  "), comment=comments[0])
-            comma = last.comma.with_changes(whitespace_after=space.with_changes(first_line=line))
-            out = out.with_changes(args=[*out.args[:-1], last.with_changes(comma=comma)])
-    return out
-
-
-def _comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comment | None:
-    """The comment at the end of the line an argument's comma ends."""
-    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
-        return comma.whitespace_after.first_line.comment
-    return None

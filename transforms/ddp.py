@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Mode, Status, Transform, add_args, kwarg
-from autotune.transforms._dist import DDP, calls_to, moved, positional, runtime_splat
+from autotune.transform import Edits, Mode, Status, Transform, add_args, kwarg, move_into_helper
+from autotune.transforms._dist import DDP, calls_to, positional, runtime_splat
 
 SETTINGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
 # DistributedDataParallel(module, device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
@@ -99,7 +99,7 @@ class Ddp(Transform):
                 self._read.update(free)
                 helper = edits.runtime("ddp_kwargs")
                 names = set(written)
-                edits.rewrite(call, lambda node, names=names, helper=helper: moved(node, names, helper))
+                edits.rewrite(call, lambda node, names=names, helper=helper: move_into_helper(node, names, helper))
                 continue
             extra = [
                 kwarg(k.name.split(".", 1)[1], repr(self.mode.value(k)))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, add_args, kwarg, star_kwargs
-from autotune.transforms._dist import FSDP, FULLY_SHARD, calls_to, moved, positional, runtime_splat, short_name
+from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_into_helper, star_kwargs
+from autotune.transforms._dist import FSDP, FULLY_SHARD, calls_to, positional, runtime_splat, short_name
 
 SETTINGS = ("forward_prefetch", "backward_prefetch", "limit_all_gathers", "use_orig_params")
 # FullyShardedDataParallel(module, process_group, sharding_strategy, cpu_offload, auto_wrap_policy,
@@ -108,7 +108,7 @@ class Fsdp(Transform):
             self._read.update(free)
             helper = edits.runtime("fsdp_kwargs")
             names = set(written)
-            edits.rewrite(call, lambda node, names=names, helper=helper: moved(node, names, helper))
+            edits.rewrite(call, lambda node, names=names, helper=helper: move_into_helper(node, names, helper))
             return
         extra = []
         for knob in self.knobs:
