@@ -218,6 +218,17 @@ def _comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comment | None:
     return None
 
 
+def fresh_name(used: set[str], *candidates: str) -> str:
+    """The first candidate not in ``used``, else ``<first>_2``, ``<first>_3``..."""
+    for name in candidates:
+        if name not in used:
+            return name
+    i = 2
+    while f"{candidates[0]}_{i}" in used:
+        i += 1
+    return f"{candidates[0]}_{i}"
+
+
 def keyword(call: cst.Call, name: str) -> cst.Arg | None:
     return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
 
@@ -242,11 +253,14 @@ class Transform(ABC):
     knobs: ClassVar[tuple[Knob, ...]]
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     entry_only: ClassVar[bool] = False  # process-wide settings belong in the entry script only
+    # True: the gated code reads only the settings recorded in ``settings_read`` (the rest the script wrote itself)
+    tracks_settings: ClassVar[bool] = False
 
     def __init__(self, project: Project, mode: Mode) -> None:
         self.project = project
         self.mode = mode
         self.sites: list[Site] = []
+        self.settings_read: set[str] = set()  # "<setting>" of each knob gated code reads, when tracks_settings
 
     @classmethod
     def description(cls) -> str:
@@ -267,8 +281,10 @@ class Transform(ABC):
         return not self.mode.gated
 
     def knobs_read(self) -> tuple[Knob, ...]:
-        """The knobs the gated code this transform wrote reads: all of them unless it says otherwise."""
-        return self.knobs
+        """The knobs the gated code this transform wrote reads: all of them, or those in ``settings_read``."""
+        if not self.tracks_settings:
+            return self.knobs
+        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self.settings_read)
 
     @abstractmethod
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project
+from autotune.transform import fresh_name
 
 # torch.nn modules that are a whole transformer block: worth checkpointing or compiling one at a time.
 TORCH_BLOCKS = {"torch.nn.TransformerEncoderLayer", "torch.nn.TransformerDecoderLayer"}
@@ -162,14 +163,7 @@ def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.C
 
 def unique_name(facts: ModuleFacts, scope: cst.CSTNode, *candidates: str) -> str:
     """The first candidate the scope does not use yet (then ``candidate_2``...)."""
-    used = {n.value for n in nodes_in(facts, scope, cst.Name)}
-    for c in candidates:
-        if c not in used:
-            return c
-    i = 2
-    while f"{candidates[0]}_{i}" in used:
-        i += 1
-    return f"{candidates[0]}_{i}"
+    return fresh_name({n.value for n in nodes_in(facts, scope, cst.Name)}, *candidates)
 
 
 # --- classes -----------------------------------------------------------------------------------------------

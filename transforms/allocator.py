@@ -156,7 +156,6 @@ def _dotted(node: cst.BaseExpression) -> str:
 
 
 def _free_name(facts: ModuleFacts, name: str) -> str:
-    used = {n.value for n in facts._enter if isinstance(n, cst.Name)}
-    while name in used:
+    while name in facts.names:
         name += "_"
     return name

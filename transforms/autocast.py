@@ -8,7 +8,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project, TrainingLoop
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, is_docstring, add_args, expr, is_literal, keyword, kwarg, stmt
+from autotune.transform import Edits, Status, Transform, fresh_name, is_docstring, add_args, expr, is_literal, keyword, kwarg, stmt
 
 AUTOCAST = {
     "torch.autocast",
@@ -158,7 +158,7 @@ class Autocast(Transform):
         plans = {facts: _Plan() for facts in project.modules}
         autocasts = [(f, c) for f in project.modules for c in f.calls if f.qualname(c.func) in AUTOCAST]
         scalers = [(f, c) for f in project.modules for c in f.calls if f.qualname(c.func) in GRAD_SCALER]
-        self._scaler_name = _free_name(project, ("scaler", "grad_scaler", "amp_scaler"))
+        self._scaler_name = fresh_name(set().union(*(f.names for f in project.modules)), "scaler", "grad_scaler", "amp_scaler")
         in_loops: set[cst.Call] = set()
         for loop in project.loops:
             for scope in loop.scopes:
@@ -545,13 +545,3 @@ def _torch_name(facts: ModuleFacts, edits: Edits, baking: bool) -> str:
     return "torch"
 
 
-
-def _free_name(project: Project, candidates: tuple[str, ...]) -> str:
-    used = set().union(*(facts.names for facts in project.modules))
-    for name in candidates:
-        if name not in used:
-            return name
-    i = 2
-    while f"{candidates[0]}_{i}" in used:
-        i += 1
-    return f"{candidates[0]}_{i}"

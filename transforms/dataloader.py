@@ -19,6 +19,7 @@ class Dataloader(Transform):
     """Load batches in worker processes, into pinned memory, with persistent workers and deeper prefetching."""
 
     name = "dataloader"
+    tracks_settings = True
     knobs = (
         Knob(
             "dataloader.num_workers",
@@ -52,12 +53,6 @@ class Dataloader(Transform):
         ),
     )
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._read: set[str] = set()  # the settings some gated call leaves to the knobs
-
-    def knobs_read(self) -> tuple[Knob, ...]:
-        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self._read)
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         for call in facts.calls:
@@ -88,7 +83,7 @@ class Dataloader(Transform):
             reason = f"DataLoader: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "")
             self.report(facts, call, Status.APPLICABLE, reason)
             if self.mode.gated:
-                self._read.update(free)
+                self.settings_read.update(free)
                 helper = edits.runtime("dataloader_kwargs")
                 moved = set(written)
                 edits.rewrite(call, lambda node, moved=moved, helper=helper: move_into_helper(node, moved, helper))

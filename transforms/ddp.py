@@ -23,6 +23,7 @@ class Ddp(Transform):
     """Tune DistributedDataParallel: gradient bucket size, gradients as bucket views, static graph."""
 
     name = "ddp"
+    tracks_settings = True
     knobs = (
         Knob(
             "ddp.bucket_cap_mb",
@@ -53,11 +54,8 @@ class Ddp(Transform):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._read: set[str] = set()
         self._no_sync: bool | None = None
 
-    def knobs_read(self) -> tuple[Knob, ...]:
-        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self._read)
 
     def _skips_sync(self) -> bool:
         """Whether gradients may accumulate under no_sync() here: the script's own, or the no_sync knob's."""
@@ -96,7 +94,7 @@ class Ddp(Transform):
             reason = f"DDP: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "") + left_out
             self.report(facts, call, Status.APPLICABLE, reason)
             if self.mode.gated:
-                self._read.update(free)
+                self.settings_read.update(free)
                 helper = edits.runtime("ddp_kwargs")
                 names = set(written)
                 edits.rewrite(call, lambda node, names=names, helper=helper: move_into_helper(node, names, helper))

@@ -20,6 +20,7 @@ class Fsdp(Transform):
     """Tune FSDP: forward/backward prefetch, all-gather rate limit, original parameters; FSDP2 resharding."""
 
     name = "fsdp"
+    tracks_settings = True
     knobs = (
         Knob(
             "fsdp.forward_prefetch",
@@ -68,12 +69,6 @@ class Fsdp(Transform):
         ),
     )
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._read: set[str] = set()
-
-    def knobs_read(self) -> tuple[Knob, ...]:
-        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self._read)
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         for call in calls_to(facts, FSDP | FULLY_SHARD):
@@ -105,7 +100,7 @@ class Fsdp(Transform):
             facts, call, Status.APPLICABLE, f"FSDP: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "")
         )
         if self.mode.gated:
-            self._read.update(free)
+            self.settings_read.update(free)
             helper = edits.runtime("fsdp_kwargs")
             names = set(written)
             edits.rewrite(call, lambda node, names=names, helper=helper: move_into_helper(node, names, helper))
@@ -140,7 +135,7 @@ class Fsdp(Transform):
             return
         self.report(facts, call, Status.APPLICABLE, f"{what}: reshard_after_forward becomes a knob")
         if self.mode.gated:
-            self._read.add("reshard_after_forward")
+            self.settings_read.add("reshard_after_forward")
             extra = star_kwargs(f"{edits.runtime('fully_shard_kwargs')}()")
         else:
             value = self.mode.value(self.knob("reshard_after_forward"))

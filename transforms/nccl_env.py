@@ -28,6 +28,7 @@ class NcclEnv(Transform):
     """Set NCCL_ALGO, NCCL_MIN_NCHANNELS and NCCL_BUFFSIZE before the NCCL process group starts."""
 
     name = "nccl_env"
+    tracks_settings = True
     entry_only = True
     devices = _CUDA
     knobs = (
@@ -59,12 +60,6 @@ class NcclEnv(Transform):
         ),
     )
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._read: set[str] = set()
-
-    def knobs_read(self) -> tuple[Knob, ...]:
-        return tuple(k for k in self.knobs if k.name.split(".", 1)[1] in self._read)
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         patched = next((c for c in facts.calls if facts.is_runtime_call(c, "nccl_env")), None)
@@ -85,7 +80,7 @@ class NcclEnv(Transform):
         anchor = _first_import(facts)
         self.report(facts, anchor, Status.APPLICABLE, f"{', '.join(VARIABLES[s] for s in free)} before {how}")
         if self.mode.gated:
-            self._read.update(free)
+            self.settings_read.update(free)
             sets = sorted(VARIABLES[s] for s in VARIABLES if s not in free)
             quoted = ", ".join(f'"{v}"' for v in sets)
             arg = f"script_sets=({quoted},)" if sets else ""
