@@ -296,7 +296,7 @@ def test_search_never_writes_over_the_users_files(capsys, tmp_path):
 def test_search_with_nothing_to_search(capsys, tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text("knobs:\n  gc.freeze: [false]\n")
-    rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "o"), "--space", str(space)], capsys)
+    rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "o"), "--space", str(space), "--device", "cpu"], capsys)
     assert rc == 2 and "nothing to search on cpu" in err
 
 
