@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from transform_cases import baked, losses, original, patched, sites, statuses
+from transform_cases import assert_same_losses, baked, losses, original, patched, sites, statuses
 
 from autotune import runtime
 from autotune.transform import Status
@@ -98,4 +98,4 @@ def test_losses_on_cuda(tmp_path, name):
     gated = patched(T, name)
     knobs = {"channels_last.enabled": True}
     on = losses(tmp_path, "on", gated, knobs, device="cuda")
-    assert losses(tmp_path, "baked", baked(T, name, knobs, device="cuda")) == on
+    assert_same_losses(losses(tmp_path, "baked", baked(T, name, knobs, device="cuda")), on, "cuda")
