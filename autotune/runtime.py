@@ -588,7 +588,9 @@ class _Trial:
     def step(self, losses: tuple, batch: Any) -> None:
         self.count += 1
         if losses:
-            self.losses.append(tuple(l.detach() if hasattr(l, "detach") else l for l in losses))
+            # a copy, not a view: under CUDA graphs (compile's reduce-overhead) the loss lives in the graph's static
+            # output buffer, which the next replay overwrites; clone() is queued on the device, no host sync
+            self.losses.append(tuple(l.detach().clone() if hasattr(l, "detach") else l for l in losses))
         if self.batch is None and batch is not None and hasattr(batch, "shape") and len(batch.shape) > 0:
             self.batch = int(batch.shape[0])
         if self.count == 1:

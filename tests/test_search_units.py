@@ -330,6 +330,18 @@ def test_trial_protocol_times_the_window_and_ends_the_run(tmp_path):
     assert r["warmup_s"] > 0 and r["first_step_s"] > 0 and r["peak_memory"] > 0
 
 
+def test_trial_protocol_keeps_each_loss_when_the_script_reuses_its_output_buffer(tmp_path):
+    # CUDA graphs (compile's reduce-overhead) return the loss in a static buffer that every replay overwrites;
+    # seen on an H100 as a 2x faster trial whose recorded losses were garbage. The same reuse, on CPU:
+    body = (
+        "import torch\nbuf = torch.zeros(())\n"
+        "for i in range(100):\n    buf.copy_(torch.tensor(1.0 / (i + 1)))\n    _autotune.step(buf)\n"
+    )
+    proc, r = _run_trial_script(tmp_path, body, warmup=2, steps=3)
+    assert proc.returncode == 0, proc.stderr
+    assert [v for (v,) in r["losses"]] == pytest.approx([1.0, 0.5, 1 / 3, 0.25, 0.2])  # float32 values
+
+
 def test_trial_protocol_reports_what_the_script_raised(tmp_path):
     body = "_autotune.step(1.0)\nclass Boom(MemoryError):\n    pass\nraise Boom('no room')\n"
     proc, r = _run_trial_script(tmp_path, body)

@@ -35,6 +35,8 @@ DB_NAME = "study.db"
 FIRST_TIMEOUT_S = 600.0  # the first baseline: nothing is known yet about how long the script takes
 MIN_TIMEOUT_S = 120.0  # later trials: at least this, and at least TIMEOUT_FACTOR x the slowest baseline
 TIMEOUT_FACTOR = 5.0
+# a configuration that compiles: inductor's autotuning (max-autotune) ran past 120 s on a small GPT on an H100
+COMPILE_MIN_TIMEOUT_S = 900.0
 MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row before enumerating instead
 MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
 WIN_SHARE = 0.8  # share of A/B pairs the winner must win
@@ -308,11 +310,14 @@ class Search:
     def _time_left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def _timeout(self) -> float:
+    def _timeout(self, config: Mapping[str, Any]) -> float:
         if self.o.timeout is not None:
             return self.o.timeout
         walls = [r.wall_s for r in self.results if r.role == ROLE_BASELINE and r.measured]
-        return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
+        timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
+        if config.get("compile.mode", "none") != "none":
+            timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
+        return timeout
 
     def target(self) -> int:
         """How many distinct configurations (the baseline included) this search measures."""
@@ -403,7 +408,7 @@ class Search:
                 result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
             else:
                 result = self.runner.run(
-                    config, role, self._timeout(), on_start=lambda pid: self.store.started(trial, pid), attrs=attrs
+                    config, role, self._timeout(config), on_start=lambda pid: self.store.started(trial, pid), attrs=attrs
                 )
         except BaseException:
             self.store.abandon(trial)
