@@ -411,6 +411,10 @@ def compile_model(model: Any, blocks: Any = ()) -> Any:
     if knob("compile.mode", "none") == "none" or getattr(model, "_autotune_compiled", False):
         return model
     kwargs = _compile_kwargs()
+    import torch._inductor.config
+
+    # eager's random numbers: inductor's own give other dropout masks, and the losses could not be compared
+    torch._inductor.config.fallback_random = True
     _watch_compile_time()
     targets: list[Any] = []
     if knob("compile.scope", "model") == "blocks":
