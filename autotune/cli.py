@@ -195,6 +195,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         rtol=args.rtol,
         timeout=args.timeout,
         confirm=args.confirm,
+        launcher=args.launcher,
     )
     outcome = run_search(options, SearchDisplay(console))
     print_summary(outcome, write_outputs(outcome), console)
@@ -246,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--rtol", type=float, metavar="X", help="relative loss tolerance for every non-default knob")
     search.add_argument("--timeout", type=float, metavar="S", help="seconds before a trial is killed (default: auto)")
     search.add_argument("--confirm", type=int, default=5, metavar="N", help="A/B pairs that confirm the winner (default 5)")
+    search.add_argument(
+        "--launcher",
+        metavar="CMD",
+        help='run each trial as CMD SCRIPT ARGS, e.g. "torchrun --standalone --nproc_per_node=2" (distributed trials)',
+    )
     search.set_defaults(func=cmd_search, script_args=[])
 
     return parser

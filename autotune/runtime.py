@@ -564,14 +564,43 @@ class TrialComplete(SystemExit):
         super().__init__(0)
 
 
+# (rank, local rank, world size) variables, by launcher: torchrun (and anything built on torch.distributed.run),
+# Open MPI's mpirun, MPICH / Intel MPI (PMI), Slurm's srun. The first set whose rank variable is present wins.
+RANK_VARS = (
+    ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE"),
+    ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
+)
+
+
+def rank_info(env: Any = None) -> tuple[int, int, int]:
+    """This process's (rank, local rank, world size) as its launcher set them; (0, 0, 1) without a launcher."""
+    env = os.environ if env is None else env
+
+    def number(name: str, default: int) -> int:
+        value = env.get(name, "").strip()
+        return int(value) if value.isdigit() else default
+
+    for rank, local, world in RANK_VARS:
+        r = number(rank, -1)
+        if r >= 0:
+            return r, number(local, r), number(world, r + 1)
+    return 0, 0, 1
+
+
 class _Trial:
-    """Times steps after a warm-up, keeps per-step losses on device and writes one JSON result."""
+    """Times steps after a warm-up, keeps per-step losses on device and writes one JSON result (one per rank under
+    a launcher: every rank times and records its own losses; the search merges them)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.warmup = int(spec.get("warmup", 2))
         self.steps = int(spec.get("steps", 10))
+        self.rank, self.local_rank, self.world_size = rank_info()
         self.result_path = Path(spec["result"])
-        self.parent_pid: int | None = spec.get("parent_pid")
+        if spec.get("per_rank"):
+            self.result_path = self.result_path.with_name(f"{self.result_path.stem}.rank{self.rank}.json")
+        self.search_pid: int | None = spec.get("search_pid")
         self.started = time.perf_counter()
         self.count = 0
         self.stamps: list[float] = []
@@ -661,6 +690,11 @@ class _Trial:
             "error": error,
             "error_type": error_type,
             "error_types": list(error_types),  # qualified names along the exception's MRO: oom, compile errors
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "ended": time.time(),  # wall clock, comparable across ranks: which rank failed first
         }
         tmp = self.result_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result), encoding="utf-8")
@@ -671,7 +705,8 @@ def _start_trial() -> _Trial | None:
     spec_path = os.environ.get(TRIAL_ENV)
     if not spec_path:
         return None
-    trial = _Trial(json.loads(Path(spec_path).read_text(encoding="utf-8")))
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    trial = _Trial(spec)
     previous_hook = sys.excepthook
 
     def hook(exc_type, exc, tb):
@@ -681,24 +716,60 @@ def _start_trial() -> _Trial | None:
 
     sys.excepthook = hook
     atexit.register(lambda: trial.write("short", error=f"script ended after {trial.count} steps"))
-    if trial.parent_pid is not None:
-        _watch_parent(trial.parent_pid)
+    pids = spec.get("pids")
+    if pids:  # a launcher may start its ranks in sessions of their own: the search kills them by these ids
+        Path(pids).mkdir(parents=True, exist_ok=True)
+        Path(pids, str(os.getpid())).write_text(str(trial.rank), encoding="utf-8")
+    if trial.search_pid is not None:
+        _watch_search(trial.search_pid)
     return trial
 
 
-def _watch_parent(pid: int) -> None:
-    """End this trial, and whatever it started, as soon as the search that launched it is gone (even SIGKILLed)."""
+WATCH_S = 0.5
+
+
+def _watch_search(pid: int) -> None:
+    """End this trial, and whatever it started, as soon as the search that launched it is gone (even SIGKILLed),
+    or the launcher between them is.
+
+    Without a launcher the search is this process's parent. Under one (torchrun's agent, mpirun) the parent is the
+    launcher: its death also ends the trial, as a rank whose agent is gone has nobody left to stop it; and the
+    search, which is no parent, is watched by its process id (a pidfd where the OS has them, so a search that died
+    but was not reaped yet counts as gone).
+    """
+    import select
     import threading
 
+    parent = os.getppid()
+    fd: int | None = None
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)  # the search ended before this trial got this far
+    except (AttributeError, OSError):  # no pidfds (not Linux 5.3+): poll the process id instead
+        pass
+
+    def search_alive() -> bool:
+        if fd is not None:
+            return not select.select([fd], [], [], WATCH_S)[0]  # readable once the process has ended
+        time.sleep(WATCH_S)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
     def watch() -> None:
-        while os.getppid() == pid:
-            time.sleep(0.5)
-        # the trial runs in its own process group (the runner starts a new session): take the workers along
+        while os.getppid() == parent and search_alive():
+            pass
+        # the trial (or, under a launcher, this rank) runs in its own process group: take its workers along
         if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
             os.killpg(os.getpgrp(), 9)
         os._exit(1)
 
-    threading.Thread(target=watch, name="autotune-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="autotune-search-watch", daemon=True).start()
 
 
 _trial = _start_trial()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from procs import wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "search" / "tiny.py"
@@ -45,26 +46,8 @@ def trials(out: Path, name: str):
     return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}").get_trials(deepcopy=False)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie nobody reaped yet is not running
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def trial_pids(out: Path, name: str) -> list[int]:
     return [t.user_attrs["trial_pid"] for t in trials(out, name) if "trial_pid" in t.user_attrs]
-
-
-def wait_gone(pids, seconds=15.0) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]
 
 
 def write_space(path: Path, knobs: dict) -> Path:

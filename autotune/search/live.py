@@ -80,6 +80,8 @@ class SearchDisplay:
             soft_wrap=True,
         )
         self.console.print(f"  knobs: {knobs}", markup=False, soft_wrap=True)
+        if search.o.launcher:
+            self.console.print(f"  each trial runs under: {search.o.launcher}", markup=False, soft_wrap=True)
         if search.results:
             self.console.print(
                 f"  resuming study '{search.study_name}': {len(search.results)} finished trial(s) kept", soft_wrap=True

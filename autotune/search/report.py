@@ -100,6 +100,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
     doc.update(
         {
             "args": list(o.options.args),
+            "launcher": o.options.launcher,  # every run went through it: the measurements hold under it only
             "device": o.device,
             "knobs": {k: chosen[k] for k in sorted(chosen)},
             "changed": changed,
@@ -196,6 +197,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
     lines += [
         "",
         f"- Command: `autotune search {o.project.entry.display}"
+        + (f" --launcher {shlex.quote(o.options.launcher)}" if o.options.launcher else "")
         + (f" -- {shlex.join(o.options.args)}" if o.options.args else "")
         + "`",
         f"- Device: {o.device}; {doc['versions'].get('gpu') or doc['versions']['cpu']}; torch {doc['versions']['torch']}, "

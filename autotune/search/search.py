@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shlex
 import shutil
 import signal
 import statistics
@@ -27,7 +28,7 @@ from autotune.search.study import (
     StudyStore,
     storage_from,
 )
-from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings
+from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, parse_launcher
 
 WORK_NAME = ".work"
 LOCK_NAME = ".autotune.lock"
@@ -76,6 +77,7 @@ class SearchOptions:
     baseline_every: int = 4
     seed: int = 0
     env: Mapping[str, str | None] = field(default_factory=dict)  # extra environment for every trial
+    launcher: str | None = None  # a command that runs each trial as a distributed job ("torchrun --nproc_per_node=2")
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ def fingerprint(patch: PatchResult, options: SearchOptions, device: str, space: 
         "space": space.describe(),
         "env": dict(sorted(options.env.items())),
     }
+    if options.launcher:  # (only then, so that studies made before launchers existed still resume)
+        doc["launcher"] = shlex.split(options.launcher)
     h.update(json.dumps(doc, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
@@ -206,6 +210,7 @@ class Search:
             raise UsageError("--timeout must be a positive number of seconds")
         if options.rtol is not None and not (0 <= options.rtol < 1):
             raise UsageError("--rtol must be a relative tolerance in [0, 1)")
+        self.launcher = parse_launcher(options.launcher) if options.launcher is not None else ()
         self.project = load_project(options.script)
         if not self.project.loops:
             raise NoTrainingLoop(
@@ -253,7 +258,9 @@ class Search:
             self.runner = Runner(
                 self.patch,
                 self.out / WORK_NAME,
-                TrialSettings(tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, env),
+                TrialSettings(
+                    tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, env, self.launcher
+                ),
             )
             self.store = StudyStore(
                 storage_from(self.o.storage, self.out / DB_NAME), self.study_name, self.fingerprint, self.space, self.o.seed

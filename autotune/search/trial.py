@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -19,12 +21,16 @@ from typing import Any
 
 import yaml
 
+from autotune.errors import UsageError
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
 from autotune.runtime import CONFIG_ENV, TRIAL_ENV
 
 STDERR_TAIL_CHARS = 2000
+LAUNCHER_TAIL_CHARS = 8000  # a launcher's own failure summary alone fills a few thousand characters
 POLL_S = 0.1
 EXIT_GRACE_S = 10.0  # how long a trial may take to exit after writing its result
+LAUNCHER_STOP_S = 10.0  # how long a launcher may take to stop its ranks when asked to (SIGTERM) before SIGKILL
+RANK_RESULTS = "result.rank*.json"
 
 
 class Outcome(str, Enum):
@@ -55,10 +61,10 @@ class TrialResult:
     error: str | None = None
     stderr_tail: str = ""
     step_times: tuple[float, ...] = ()
-    losses: tuple[tuple[float, ...], ...] = ()
+    losses: tuple[tuple[float, ...], ...] = ()  # per step; under a launcher, the mean over the ranks
     steps_done: int = 0
     batch_size: int | None = None
-    peak_memory: int | None = None
+    peak_memory: int | None = None  # under a launcher, the largest of the ranks'
     peak_memory_kind: str | None = None
     warmup_s: float | None = None
     first_step_s: float | None = None
@@ -69,6 +75,8 @@ class TrialResult:
     deviation: float | None = None  # largest relative loss deviation from the reference baseline
     tolerance: float | None = None  # the gate's tolerance at the step of that deviation
     attrs: Mapping[str, Any] = field(default_factory=dict)  # the role's bookkeeping (confirmation pair, arm)
+    ranks: int = 1  # processes in the trial: the launcher's world size
+    rank_losses: tuple[tuple[tuple[float, ...], ...], ...] = ()  # under a launcher, each rank's own losses
 
     @property
     def measured(self) -> bool:
@@ -114,6 +122,7 @@ class TrialResult:
         kw["status"] = Outcome(kw["status"])
         kw["step_times"] = tuple(kw.get("step_times") or ())
         kw["losses"] = tuple(tuple(row) for row in kw.get("losses") or ())
+        kw["rank_losses"] = tuple(tuple(tuple(row) for row in rows) for rows in kw.get("rank_losses") or ())
         return cls(**kw)
 
     def with_(self, **changes: Any) -> TrialResult:
@@ -163,10 +172,95 @@ def classify(
         return Outcome.CRASH, f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
     if error:
         return Outcome.CRASH, error
-    last = next((line for line in reversed(stderr_tail.strip().splitlines()) if line.strip()), "")
+    # (the last line that says something: a launcher ends its failure summary with a rule of '=')
+    last = next((line for line in reversed(stderr_tail.strip().splitlines()) if any(c.isalnum() for c in line)), "")
     if result.get("status") == "ok":  # the window finished, but the script's exit failed
         return Outcome.CRASH, f"exit status {returncode} after the measured steps" + (f": {last}" if last else "")
     return Outcome.CRASH, f"exit status {returncode}" + (f": {last}" if last else "")
+
+
+# --- ranks of a launcher ------------------------------------------------------------------------------------
+
+
+def _mean_rows(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
+    """Per step, each loss averaged over the ranks that recorded that step (in rank order, so the same inputs give
+    the same bits)."""
+    out = []
+    for i in range(max((len(rows) for rows in per_rank), default=0)):
+        at = [rows[i] for rows in per_rank if i < len(rows)]
+        at = [row for row in at if len(row) == len(at[0])]
+        out.append([sum(column) / len(column) for column in zip(*at)])
+    return out
+
+
+def merge_ranks(results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """One trial result from the result files of a launcher's ranks (None when there are none).
+
+    Timing comes from rank 0; the losses are each step's mean over the ranks (every rank's own are kept under
+    ``rank_losses``); peak memory is the largest rank's; samples per step add up over the ranks (data parallel).
+    The trial fails when any rank failed, or left no result: as the rank that failed first (by the wall-clock time
+    each rank wrote its result: the others then failed because it was gone).
+    """
+    if not results:
+        return None
+    by_rank = {int(r.get("rank") or 0): r for r in results}
+    ranks = [by_rank[k] for k in sorted(by_rank)]
+    world = max(max(int(r.get("world_size") or 1) for r in ranks), len(ranks))
+    missing = [k for k in range(world) if k not in by_rank]
+    out = dict(by_rank.get(0, ranks[0]))
+    out["rank_losses"] = [by_rank.get(k, {}).get("losses") or [] for k in range(world)]  # [] for a rank without one
+    out["losses"] = _mean_rows(out["rank_losses"])
+    out["ranks"] = world
+    out["steps_done"] = min(int(r.get("steps_done") or 0) for r in ranks)
+    out["peak_memory"] = max((r["peak_memory"] for r in ranks if r.get("peak_memory") is not None), default=None)
+    batches = [r.get("batch_size") for r in ranks]
+    out["batch_size"] = sum(batches) if not missing and None not in batches else None
+    failed = sorted((r for r in ranks if r.get("status") != "ok"), key=lambda r: r.get("ended") or math.inf)
+    errors = []
+    if failed:
+        first = failed[0]
+        out.update(status=first.get("status"), error_type=first.get("error_type"), error_types=first.get("error_types"))
+        if first.get("error"):
+            errors.append(f"rank {first.get('rank', 0)}: {first['error']}")
+    elif missing:
+        out.update(status="error", error_type=None, error_types=[])
+    if missing:
+        ids = ", ".join(map(str, missing))
+        errors.append(f"no result from rank {ids} (killed by a signal, or stopped by the launcher)")
+    out["error"] = "; ".join(errors) or None
+    return out
+
+
+def _rank_results(tdir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in tdir.glob(RANK_RESULTS):
+        try:
+            out.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):  # written by os.replace, so never half a file; gone with the trial folder
+            pass
+    return out
+
+
+def _ranks_reported(tdir: Path) -> bool:
+    """Whether a launcher's ranks have told how the trial ends: every rank finished its window, or one failed."""
+    results = _rank_results(tdir)
+    if any(r.get("status") != "ok" for r in results):
+        return True
+    world = max((int(r.get("world_size") or 1) for r in results), default=1)
+    return len({r.get("rank") for r in results}) >= world
+
+
+def parse_launcher(text: str) -> tuple[str, ...]:
+    """The ``--launcher`` command as arguments, checked: a UsageError when it is empty, unparseable or not found."""
+    try:
+        argv = tuple(shlex.split(text))
+    except ValueError as exc:
+        raise UsageError(f"--launcher {text!r}: cannot split it into arguments ({exc})") from None
+    if not argv:
+        raise UsageError('--launcher is empty: give the command that runs the script ("torchrun --nproc_per_node=2")')
+    if shutil.which(argv[0]) is None:
+        raise UsageError(f"--launcher {text!r}: {argv[0]!r} is not an executable file or a command found on PATH")
+    return argv
 
 
 # --- the runner --------------------------------------------------------------------------------------------
@@ -182,6 +276,7 @@ class TrialSettings:
     warmup: int
     steps: int
     env: Mapping[str, str | None] = field(default_factory=dict)  # layered over os.environ; None removes
+    launcher: tuple[str, ...] = ()  # runs ``launcher + [script] + args`` in place of ``python script args``
 
 
 def _kill_group(pgid: int) -> None:
@@ -240,7 +335,10 @@ class Runner:
         knobs = {k: v for k, v in config.items() if k in self.knob_names}
         (tdir / "config.yaml").write_text(yaml.safe_dump({"device": s.device, "knobs": knobs}), encoding="utf-8")
         result_path = tdir / "result.json"
-        spec = {"warmup": s.warmup, "steps": s.steps, "result": str(result_path), "parent_pid": os.getpid()}
+        # the search's own pid: under a launcher the trial's ranks are not its children, yet end when it dies
+        spec = {"warmup": s.warmup, "steps": s.steps, "result": str(result_path), "search_pid": os.getpid()}
+        if s.launcher:
+            spec.update(per_rank=True, pids=str(tdir / "pids"))
         (tdir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
         env = dict(os.environ)
         for key, value in s.env.items():
@@ -250,9 +348,10 @@ class Runner:
                 env[key] = value
         env[CONFIG_ENV] = str(tdir / "config.yaml")
         env[TRIAL_ENV] = str(tdir / "spec.json")
-        cmd = [sys.executable, str(self.entry), *s.args]
+        cmd = [*(s.launcher or [sys.executable]), str(self.entry), *s.args]
         started = time.perf_counter()
         timed_out = hung_at_exit = False
+        reported = functools.partial(_ranks_reported, tdir) if s.launcher else result_path.exists
         # output goes to files, not pipes: a pipe stays open as long as any orphaned DataLoader worker holds it
         with open(tdir / "stdout.log", "wb") as out, open(tdir / "stderr.log", "wb") as err:
             proc = subprocess.Popen(
@@ -261,20 +360,26 @@ class Runner:
             try:
                 if on_start is not None:
                     on_start(proc.pid)
-                rc, timed_out, hung_at_exit = self._wait(proc, result_path, timeout)
+                rc, timed_out, hung_at_exit = self._wait(proc, reported, timeout, lambda: self._stop(proc, tdir))
             finally:
                 # whatever happened (an interrupt included), nothing the trial started outlives it
-                _kill_group(proc.pid)
-                if proc.poll() is None:
-                    proc.wait()
+                self._stop(proc, tdir)
         wall = time.perf_counter() - started
-        try:
-            result = json.loads(result_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            result = None
-        tail = _tail(tdir / "stderr.log")
-        if hung_at_exit and result is not None and result.get("status") == "ok":
+        if s.launcher:
+            result = merge_ranks(_rank_results(tdir))
+        else:
+            try:
+                result = json.loads(result_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                result = None
+        tail = _tail(tdir / "stderr.log", LAUNCHER_TAIL_CHARS if s.launcher else STDERR_TAIL_CHARS)
+        ended = result.get("status") if result is not None else None
+        if hung_at_exit and ended == "ok":
             rc = 0  # the measured window completed; only the exit hung, and the group is gone now
+        elif hung_at_exit and s.launcher:
+            # a rank failed or ended early, and the others waited for it until they were stopped: what that rank
+            # wrote is the outcome, not the signal that stopped the launcher
+            rc = 0 if ended == "short" else None
         status, error = classify(rc, timed_out, result, tail, s.warmup + s.steps)
         if timed_out:
             error = f"still running after {timeout:.0f}s (--timeout): killed with everything it started"
@@ -298,16 +403,21 @@ class Runner:
             wall_s=wall,
             pid=proc.pid,
             attrs=dict(attrs or {}),
+            ranks=int(r.get("ranks") or 1),
+            rank_losses=tuple(tuple(tuple(row) for row in rows) for rows in r.get("rank_losses") or ()),
         )
         shutil.rmtree(tdir, ignore_errors=True)
         return out
 
     @staticmethod
-    def _wait(proc: subprocess.Popen, result_path: Path, timeout: float) -> tuple[int | None, bool, bool]:
-        """Wait for the trial: (exit status, timed out, killed after its result was written).
+    def _wait(
+        proc: subprocess.Popen, reported: Callable[[], bool], timeout: float, stop: Callable[[], None]
+    ) -> tuple[int | None, bool, bool]:
+        """Wait for the trial: (exit status, timed out, stopped after its result was written).
 
-        Once the result is written the trial gets EXIT_GRACE_S to exit; a hang while exiting (DataLoader workers
-        that do not stop) is then ended without counting as a timeout.
+        Once the result is written (under a launcher: every rank's, or one rank's failure) the trial gets
+        EXIT_GRACE_S to exit; a hang while exiting (DataLoader workers that do not stop, ranks waiting for a failed
+        one in a collective) is then ended without counting as a timeout.
         """
         deadline = time.monotonic() + timeout
         in_grace = False
@@ -317,11 +427,34 @@ class Runner:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            if not in_grace and result_path.exists() and deadline > now + EXIT_GRACE_S:
+            if not in_grace and deadline > now + EXIT_GRACE_S and reported():
                 deadline, in_grace = now + EXIT_GRACE_S, True
             if now >= deadline:
-                _kill_group(proc.pid)
+                stop()
                 return proc.wait(), not in_grace, in_grace
+
+    def _stop(self, proc: subprocess.Popen, tdir: Path) -> None:
+        """End the trial and everything it started.
+
+        A launcher is asked first (SIGTERM: torchrun then stops its ranks, which it starts in sessions of their
+        own), then the trial's process group is killed, and then each rank's own group, by the ids the ranks
+        wrote: what a launcher that did not stop in time left behind.
+        """
+        try:
+            if self.settings.launcher and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(LAUNCHER_STOP_S)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            _kill_group(proc.pid)
+            pids = tdir / "pids"
+            for f in pids.iterdir() if pids.is_dir() else ():
+                if f.name.isdigit():
+                    _kill_group(int(f.name))
+            if proc.poll() is None:
+                proc.wait()
 
     def cleanup(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
