@@ -21,6 +21,7 @@ import yaml
 
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
 from autotune.runtime import CONFIG_ENV, TRIAL_ENV
+from autotune.search.machine import machine_key
 
 STDERR_TAIL_CHARS = 2000
 POLL_S = 0.1
@@ -69,6 +70,13 @@ class TrialResult:
     deviation: float | None = None  # largest relative loss deviation from the reference baseline
     tolerance: float | None = None  # the gate's tolerance at the step of that deviation
     attrs: Mapping[str, Any] = field(default_factory=dict)  # the role's bookkeeping (confirmation pair, arm)
+    host: str = ""  # the machine it ran on: timings are compared only between runs of the same machine key
+    device_name: str = ""  # CPU model and cores, or GPU name
+
+    @property
+    def machine(self) -> str:
+        """The key of the machine it ran on (host and device)."""
+        return machine_key(self.host, self.device_name)
 
     @property
     def measured(self) -> bool:
