@@ -274,3 +274,26 @@ def test_a_machine_is_named_by_its_host_and_device(monkeypatch):
     assert m.host == "rack-7" and m.device.endswith(" cores") and m.key == f"rack-7 ({m.device})"
     monkeypatch.delenv(HOST_ENV)
     assert this_machine("cpu").host == os.uname().nodename
+
+
+def test_report_writes_a_studys_outputs_and_says_when_nothing_was_confirmed(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text())
+    search = _search(tmp_path, script=script, args=("--iters", "12"))
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    store = _store(search, open_storage(url), "a:1", "a (cpu)")
+    base = search.space.baseline()
+    fast = {**base, "gc.freeze": True}
+    for config, role, step in [(base, "baseline", 0.02), (base, "baseline", 0.02), (fast, "search", 0.01), (base, "baseline", 0.02)]:
+        trial = store.ask(config)
+        store.label(trial, role)
+        store.record(trial, _result(config, role=role, step=step, number=trial.number), 1.0)
+    out = tmp_path / "r"
+    rc = main(["report", "--storage", url, "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = yaml.safe_load((out / "autotune.yaml").read_text())
+    assert doc["winner"] == "baseline" and doc["changed"] == {}
+    assert "no candidate was confirmed in A/B pairs yet" in doc["verdict"] and "gc.freeze=true, 2.000x" in doc["verdict"]
+    assert doc["machine"] == "a (cpu)" and doc["search"]["runs"] == 4
+    assert (out / "train.py").read_text() == script.read_text() and (out / "tuned.diff").read_text() == ""
+    assert "no trial run" in (out / "report.md").read_text()

@@ -18,7 +18,7 @@ from autotune.patch import CONFIG_NAME
 from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
 from autotune.search.search import SearchOutcome
-from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM
+from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
 REPORT_NAME = "report.md"
@@ -140,6 +140,14 @@ def _baseline_reason(o: SearchOutcome) -> str:
     ok = [r for r in o.results if r.role != ROLE_BASELINE and r.status is Outcome.OK]
     if not ok:
         return "the baseline wins: no other configuration finished and passed the loss gate"
+    faster = [r for r in ok if r.role == ROLE_SEARCH and o.speedups.get(r.number, 0.0) > 1.0]
+    if faster:  # a study reported before any worker got to its confirmation
+        best = max(faster, key=lambda r: o.speedups[r.number])
+        return (
+            f"the baseline wins: no candidate was confirmed in A/B pairs yet (the fastest in the search: "
+            f"{changed_text(best.config, o.space.baseline())}, {o.speedups[best.number]:.3f}x); "
+            "a search that runs to its end confirms it"
+        )
     return "the baseline wins: no configuration was faster than the baseline runs around it"
 
 
