@@ -1,4 +1,4 @@
-"""The command line: ``autotune scan|patch|bake|search``; one small function per subcommand."""
+"""The command line: ``autotune scan|patch|bake|search|report``; one small function per subcommand."""
 
 from __future__ import annotations
 
@@ -202,6 +202,16 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from autotune.search.report import print_summary, write_outputs
+    from autotune.search.search import report_from_study
+
+    script = Path(args.script) if args.script else None
+    outcome = report_from_study(args.storage, args.study_name, Path(args.out), script)
+    print_summary(outcome, write_outputs(outcome), console)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autotune", description="Find the fastest equivalent configuration of a PyTorch training script.")
     parser.add_argument("--version", action="version", version=f"autotune {__version__}")
@@ -241,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--steps", type=int, default=20, help="measured training steps per trial (default 20)")
     search.add_argument("--warmup", type=int, default=5, help="warm-up steps before the measured ones (default 5)")
     search.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to tune for")
-    search.add_argument("--storage", metavar="URL", help="Optuna storage URL or journal file (default: DIR/study.db)")
+    search.add_argument(
+        "--storage", metavar="URL", help="database URL or journal file, to share the study (default: DIR/study.db)"
+    )
     search.add_argument("--study-name", metavar="NAME", help="study name (default: script name + fingerprint)")
     search.add_argument("--space", metavar="FILE", help="search space YAML (default: the bundled one for the device)")
     search.add_argument("--rtol", type=float, metavar="X", help="relative loss tolerance for every non-default knob")
@@ -253,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
         help='run each trial as CMD SCRIPT ARGS, e.g. "torchrun --standalone --nproc_per_node=2" (distributed trials)',
     )
     search.set_defaults(func=cmd_search, script_args=[])
+
+    report = sub.add_parser(
+        "report", help="write a study's outputs (tuned script, autotune.yaml, report) without running trials"
+    )
+    report.add_argument("--storage", required=True, metavar="URL", help="the study's storage: database URL or file")
+    report.add_argument("--study-name", metavar="NAME", help="the study (default: the storage's only study)")
+    report.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
+    report.add_argument("--script", metavar="PATH", help="where the searched script is now (default: as recorded)")
+    report.set_defaults(func=cmd_report)
 
     return parser
 

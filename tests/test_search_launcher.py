@@ -294,6 +294,12 @@ def test_search_under_torchrun_end_to_end(tmp_path):
     assert doc["launcher"] == launcher and doc["search"]["configurations_measured"] == 2
     assert doc["noise"]["deterministic"] is True  # the baseline's merged losses are the same bits run to run
     assert f"--launcher '{launcher}'" in (out / "report.md").read_text()
+    # the study remembers its launcher: report rebuilds the same fingerprint from it
+    again = subprocess.run(list(map(str, [sys.executable, "-m", "autotune", "report", "--storage", out / "study.db",
+                                          "--out", tmp_path / "again"])),
+                           cwd=tmp_path, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert yaml.safe_load((tmp_path / "again" / "autotune.yaml").read_text())["launcher"] == launcher
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -82,9 +82,14 @@ class SearchDisplay:
         self.console.print(f"  knobs: {knobs}", markup=False, soft_wrap=True)
         if search.o.launcher:
             self.console.print(f"  each trial runs under: {search.o.launcher}", markup=False, soft_wrap=True)
+        self.console.print(f"  machine: {search.machine.key}", markup=False, soft_wrap=True)
         if search.results:
+            others = sum(r.machine != search.machine.key for r in search.results)
             self.console.print(
-                f"  resuming study '{search.study_name}': {len(search.results)} finished trial(s) kept", soft_wrap=True
+                f"  resuming study '{search.study_name}': {len(search.results)} finished trial(s) kept"
+                + (f", {others} of them from other machines" if others else ""),
+                markup=False,
+                soft_wrap=True,
             )
         self.task = self.progress.add_task("configurations", total=search.target(), completed=min(done, search.target()))
         if self.live_mode:

@@ -16,8 +16,9 @@ from autotune import __version__
 from autotune.bake import DIFF_NAME, bake, write_baked
 from autotune.patch import CONFIG_NAME
 from autotune.search.live import changed_text, dev_text, mib, speed_text
+from autotune.search.machine import cpu_name
 from autotune.search.search import SearchOutcome
-from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM
+from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
 REPORT_NAME = "report.md"
@@ -45,23 +46,13 @@ def versions(device: str) -> dict[str, Any]:
         "torch": str(torch.__version__),
         "optuna": optuna.__version__,
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_threads": torch.get_num_threads(),
     }
     if device == "cuda" and torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
         out["gpu"] = torch.cuda.get_device_name(0)
     return out
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _r(x: float | None, digits: int = 4) -> float | None:
@@ -85,9 +76,10 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
     defaults = o.space.baseline()
     changed = {k: v for k, v in chosen.items() if defaults.get(k) != v}
     win = o.winner
-    baseline_runs = list(win.baseline) if win else [r for r in o.results if r.role == ROLE_BASELINE]
+    here = [r for r in o.results if r.machine == o.machine]  # throughputs of one machine only are comparable
+    baseline_runs = list(win.baseline) if win else [r for r in here if r.role == ROLE_BASELINE]
     tuned_runs = list(win.candidate) if win else baseline_runs
-    same = [r for r in o.results if r.measured and r.config == chosen and r.deviation is not None]
+    same = [r for r in here if r.measured and r.config == chosen and r.deviation is not None]
     max_dev = max((r.deviation for r in same if r.deviation == r.deviation), default=0.0 if not changed else None)
     tol = max((r.tolerance for r in same if r.tolerance is not None), default=None)
     best = o.confirmations[0] if o.confirmations else None
@@ -102,6 +94,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
             "args": list(o.options.args),
             "launcher": o.options.launcher,  # every run went through it: the measurements hold under it only
             "device": o.device,
+            "machine": o.machine,
             "knobs": {k: chosen[k] for k in sorted(chosen)},
             "changed": changed,
             "winner": "tuned" if win else "baseline",
@@ -125,6 +118,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
                 "space_size": o.space.size,
                 "configurations_measured": len({_key(r.config) for r in o.results if r.role != ROLE_CONFIRM}),
                 "runs": len(o.results),
+                "machines": {m: sum(r.machine == m for r in o.results) for m in o.machines},
                 "stopped": o.stopped,
                 "steps": o.options.steps,
                 "warmup": o.options.warmup,
@@ -147,6 +141,14 @@ def _baseline_reason(o: SearchOutcome) -> str:
     ok = [r for r in o.results if r.role != ROLE_BASELINE and r.status is Outcome.OK]
     if not ok:
         return "the baseline wins: no other configuration finished and passed the loss gate"
+    faster = [r for r in ok if r.role == ROLE_SEARCH and o.speedups.get(r.number, 0.0) > 1.0]
+    if faster:  # a study reported before any worker got to its confirmation
+        best = max(faster, key=lambda r: o.speedups[r.number])
+        return (
+            f"the baseline wins: no candidate was confirmed in A/B pairs yet (the fastest in the search: "
+            f"{changed_text(best.config, o.space.baseline())}, {o.speedups[best.number]:.3f}x); "
+            "a search that runs to its end confirms it"
+        )
     return "the baseline wins: no configuration was faster than the baseline runs around it"
 
 
@@ -200,8 +202,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         + (f" --launcher {shlex.quote(o.options.launcher)}" if o.options.launcher else "")
         + (f" -- {shlex.join(o.options.args)}" if o.options.args else "")
         + "`",
-        f"- Device: {o.device}; {doc['versions'].get('gpu') or doc['versions']['cpu']}; torch {doc['versions']['torch']}, "
-        f"Python {doc['versions']['python']}",
+        f"- Machine: {o.machine} ({o.device}); torch {doc['versions']['torch']}, Python {doc['versions']['python']}",
         f"- Throughput: baseline {_fmt(thr['baseline']['steps_per_s'])} steps/s, tuned "
         f"{_fmt(thr['tuned']['steps_per_s'])} steps/s"
         + (
@@ -220,14 +221,24 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         f"{len(o.results)} runs in {o.wall_s:.0f}s; stopped: {o.stopped}; "
         f"{o.options.warmup} warm-up + {o.options.steps} measured steps per run",
         f"- Study: `{o.study_name}` in `{o.storage}` (run the same command again to resume or extend it)",
+    ]
+    several = len(o.machines) > 1
+    if several:
+        runs = ", ".join(f"{m} ({n} runs)" for m, n in doc["search"]["machines"].items())
+        lines.append(
+            f"- Machines: {runs}. Each run is compared only with baseline runs of its own machine (speedups, loss "
+            f"gate, noise); the throughputs, noise and confirmation above are those of {o.machine}"
+        )
+    lines += [
         "",
         "## Trials",
         "",
-        "Speedup: steps/s over the mean of the baseline runs just before and after the trial. "
-        "Loss deviation: largest relative difference of any step's loss from the first baseline run.",
+        "Speedup: steps/s over the mean of the same machine's baseline runs just before and after the trial. "
+        "Loss deviation: largest relative difference of any step's loss from the machine's first baseline run.",
         "",
-        "| # | role | configuration | status | steps/s | samples/s | speedup | loss deviation | peak memory | note |",
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| # | role | configuration | status | steps/s | samples/s | speedup | loss deviation | peak memory | note |"
+        + (" machine |" if several else ""),
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---|" + ("---|" if several else ""),
     ]
     for r in o.results:
         note = ""
@@ -250,17 +261,25 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
                     dev_text(r) + (f" (tol {r.tolerance:.1e})" if r.tolerance else ""),
                     mib(r.peak_memory),
                     note,
+                    *((r.machine,) if several else ()),
                 )
             )
             + " |"
         )
     if o.confirmations:
-        lines += ["", "## Confirmation", "", "| candidate | search speedup | A/B ratios | verdict |", "|---|---:|---|---|"]
+        lines += [
+            "",
+            "## Confirmation",
+            "",
+            "| candidate | search speedup | A/B ratios | verdict |" + (" machine |" if several else ""),
+            "|---|---:|---|---|" + ("---|" if several else ""),
+        ]
         for c in o.confirmations:
             ratios = ", ".join(f"{x:.3f}" for x in c.ratios) or "-"
             lines.append(
                 f"| `{_cell(changed_text(c.config, defaults))}` | {speed_text(c.search_speedup)} | {ratios} | "
                 f"{'accepted' if c.accepted else 'rejected'}: {_cell(c.reason)} |"
+                + (f" {_cell(c.machine)} |" if several else "")
             )
     lines += ["", "## Throughput per trial", ""]
     lines.append(f"![throughput per trial]({plot.name})" if plot else f"(plot skipped: {skipped})")
@@ -328,16 +347,18 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     for label, (xs, ys, color, marker) in groups.items():
         if xs:
             ax.scatter(xs, ys, c=color, marker=marker, label=label, zorder=3)
-    base = [r.throughput for r in o.results if r.role == ROLE_BASELINE and r.throughput]
+    base = [r.throughput for r in o.results if r.role == ROLE_BASELINE and r.throughput and r.machine == o.machine]
     if base:
-        ax.axhline(statistics.median(base), color="tab:gray", linestyle="--", linewidth=1, label="baseline median")
+        label = "baseline median" + (f" ({o.machine})" if len(o.machines) > 1 else "")
+        ax.axhline(statistics.median(base), color="tab:gray", linestyle="--", linewidth=1, label=label)
     confirm = [r.number for r in o.results if r.role == ROLE_CONFIRM]
     if confirm:
         ax.axvline(min(confirm) - 0.5, color="black", linestyle=":", linewidth=1)
         ax.text(min(confirm) - 0.3, ax.get_ylim()[1], "confirmation (A/B pairs)", fontsize=8, va="top")
     ax.set_xlabel("trial")
     ax.set_ylabel("steps/s (median step time)")
-    ax.set_title(f"autotune search: {o.project.entry.display} on {o.device}")
+    machines = f", {len(o.machines)} machines" if len(o.machines) > 1 else ""
+    ax.set_title(f"autotune search: {o.project.entry.display} on {o.device}{machines}")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()

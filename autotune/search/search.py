@@ -20,13 +20,15 @@ from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.bake import bake, check_out_dir
 from autotune.patch import PatchResult, run, select
 from autotune.search.gate import Noise, judge, measure_noise
-from autotune.search.space import SearchSpace, build_space, config_key, read_space
+from autotune.search.live import QuietDisplay
+from autotune.search.machine import Machine, this_machine
+from autotune.search.space import SearchSpace, build_space, config_key, read_space, restore_space
 from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CONFIRM,
     ROLE_SEARCH,
     StudyStore,
-    storage_from,
+    open_storage,
 )
 from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, parse_launcher
 
@@ -42,6 +44,7 @@ MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row befo
 MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
 WIN_SHARE = 0.8  # share of A/B pairs the winner must win
 MIN_GAIN = 0.01  # and its median speedup must be above 1 + this
+WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
 
 
 class SearchFailed(AutotuneError):
@@ -91,6 +94,7 @@ class Confirmation:
     baseline: tuple[TrialResult, ...] = ()
     candidate: tuple[TrialResult, ...] = ()
     search_speedup: float | None = None
+    machine: str = ""  # every pair ran on this machine
 
     @property
     def speedup(self) -> float | None:
@@ -124,7 +128,13 @@ class SearchOutcome:
     study_name: str
     storage: str
     mode: str  # "enumerated" or "sampled"
-    speedups: Mapping[int, float]  # trial number -> throughput relative to the baseline runs around it
+    speedups: Mapping[int, float]  # trial number -> throughput relative to the same machine's baseline runs around it
+    machine: str = ""  # the machine whose baseline runs, noise and confirmation the summary reports
+
+    @property
+    def machines(self) -> tuple[str, ...]:
+        """Every machine that ran trials of the study, in order of its first trial."""
+        return tuple(dict.fromkeys(r.machine for r in self.results))
 
     @property
     def chosen(self) -> dict[str, Any]:
@@ -193,9 +203,12 @@ class _Lock:
 
 
 class Search:
-    """One ``autotune search`` run: set up, search, confirm; ``display`` shows progress (see live.py)."""
+    """One ``autotune search`` run: set up, search, confirm; ``display`` shows progress (see live.py).
 
-    def __init__(self, options: SearchOptions, display) -> None:
+    Given ``about`` (what a study was made from), it is set up from that instead, to report on the study.
+    """
+
+    def __init__(self, options: SearchOptions, display, about: Mapping[str, Any] | None = None) -> None:
         self.o = options
         self.display = display
         if options.warmup < 1 or options.steps < 2:
@@ -217,23 +230,47 @@ class Search:
                 f"{options.script}: no training loop found (a loop that calls .backward() and an optimizer's .step()); "
                 "autotune search needs one to time training steps and compare losses"
             )
-        self.device = resolve_device(options.device)
-        wanted = read_space(self.device, options.space)
+        self.device = str(about["device"]) if about else resolve_device(options.device)
         self.patch = run(self.project, select())
         hook = f"{RUNTIME_ALIAS}.step("
         if not any(hook in f.new_text for f in self.patch.files):
             raise NoTrainingLoop(f"{options.script}: autotune could not place its step hook in the training loop")
-        self.space = build_space(self.patch.knobs, self.device, wanted)
+        if about:
+            self.space = restore_space(self.patch.knobs, self.device, about["space"], about.get("left_out") or {})
+        else:
+            self.space = build_space(self.patch.knobs, self.device, read_space(self.device, options.space))
         self.out = check_out_dir(options.out, self.project)
         self.fingerprint = fingerprint(self.patch, options, self.device, self.space)
         self.study_name = options.study_name or f"{options.script.stem}-{self.fingerprint[:12]}"
         self.storage_desc = options.storage or str(self.out / DB_NAME)
         self.mode = "enumerated" if self.space.size <= options.trials else "sampled"
+        self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
         self.results: list[TrialResult] = []
+        self._claims: set[str] = set()  # what other workers are measuring now
+        self._taken: set[str] = set()  # of that, the programs (code keys) of search trials
+        self._waiting: frozenset[str] = frozenset()
         self._codes: dict[str, str | None] = {}
         self._bake_errors: dict[str, str] = {}
         self.started = time.monotonic()
         self.deadline = self.started + options.time_budget if options.time_budget else math.inf
+
+    def about(self) -> dict[str, Any]:
+        """What the study is made from, stored in it so that ``autotune report`` can rebuild this search."""
+        return {
+            "script": str(self.o.script.resolve()),
+            "args": list(self.o.args),
+            "device": self.device,
+            "steps": self.o.steps,
+            "warmup": self.o.warmup,
+            "trials": self.o.trials,
+            "confirm": self.o.confirm,
+            "rtol": self.o.rtol,
+            "seed": self.o.seed,
+            "env": dict(self.o.env),
+            "launcher": self.o.launcher,
+            "space": self.space.describe(),
+            "left_out": dict(self.space.left_out),
+        }
 
     # --- the parts ---------------------------------------------------------------------------------------------
 
@@ -255,6 +292,11 @@ class Search:
             previous = None
         self.runner = None
         try:
+            storage = open_storage(self.o.storage, self.out / DB_NAME)
+            self.storage_desc = storage.description
+            self.machine = this_machine(self.device, env)
+            self.store = StudyStore(storage, self.study_name, seed=self.o.seed, machine=self.machine.key)
+            self.store.adopt(self.fingerprint, self.space, self.about())
             self.runner = Runner(
                 self.patch,
                 self.out / WORK_NAME,
@@ -262,11 +304,7 @@ class Search:
                     tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, env, self.launcher
                 ),
             )
-            self.store = StudyStore(
-                storage_from(self.o.storage, self.out / DB_NAME), self.study_name, self.fingerprint, self.space, self.o.seed
-            )
-            self.store.recover()
-            self.results = self.store.results()
+            self._refresh()
             self.display.begin(self)
             try:
                 stopped = self._explore()
@@ -287,8 +325,49 @@ class Search:
             else:
                 shutil.rmtree(self.out / WORK_NAME, ignore_errors=True)
             lock.release()
-        results = tuple(self._regate(self.results))
+        self._refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
         winner = next((c for c in confirmations if c.accepted), None)
+        return self._outcome(stopped, confirmations, winner, self.machine.key, time.monotonic() - self.started)
+
+    def report(self, store: StudyStore) -> SearchOutcome:
+        """What ``store``'s study found, as a search's outcome, without running anything (``autotune report``)."""
+        if store.fingerprint != self.fingerprint:
+            raise UsageError(
+                f"{self.o.script}: the script (or a module it imports, or autotune itself) changed since study "
+                f"'{store.name}' was made; the report needs the code that was searched"
+            )
+        self.store = store
+        self.storage_desc = store.storage.description
+        self.results = store.results()
+        if not self.results:
+            raise UsageError(f"study '{store.name}' has no finished trials yet")
+        speeds = {config_key(c): s for c, s in self.candidates()}
+        arms: dict[tuple[str, str], dict[tuple[int, str], TrialResult]] = {}
+        for r in self.results:
+            if r.role == ROLE_CONFIRM:
+                key = str(r.attrs.get("candidate"))
+                arms.setdefault((r.machine, key), {})[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
+        confirmations = []
+        for (machine, key), got in arms.items():
+            config = next((r.config for (_, arm), r in got.items() if arm == "candidate"), None)
+            if config is not None:  # (a pair stopped before its candidate ran confirms nothing)
+                confirmations.append(self._verdict(dict(config), got, None, speeds.get(key), machine))
+        accepted = [c for c in confirmations if c.accepted]
+        winner = max(accepted, key=lambda c: c.speedup) if accepted else None
+        if winner:
+            machine = winner.machine
+        elif confirmations:
+            machine = confirmations[0].machine
+        else:  # the machine with the most baseline runs: its noise is the best known
+            machine = max(
+                (r.machine for r in self.results), key=lambda m: len(self._baselines(m)), default=""
+            )
+        machines = len({r.machine for r in self.results})
+        stopped = f"reported from the study ({len(self.results)} runs on {machines} machine(s); no trial run)"
+        return self._outcome(stopped, confirmations, winner, machine, sum(r.wall_s for r in self.results))
+
+    def _outcome(self, stopped, confirmations, winner, machine: str, wall_s: float) -> SearchOutcome:
+        results = tuple(self._regate(self.results))
         return SearchOutcome(
             options=self.o,
             project=self.project,
@@ -296,22 +375,32 @@ class Search:
             space=self.space,
             device=self.device,
             results=results,
-            reference=self._reference(),
-            noise=self._noise(),
+            reference=self._reference(machine),
+            noise=self._noise(machine),
             confirmations=tuple(confirmations),
             winner=winner,
             stopped=stopped,
-            wall_s=time.monotonic() - self.started,
+            wall_s=wall_s,
             study_name=self.study_name,
             storage=self.storage_desc,
             mode=self.mode,
             speedups=local_speedups(results),
+            machine=machine,
         )
 
-    # time and budgets
+    def _refresh(self) -> None:
+        """The study as it is now: every worker's finished trials, and what the other workers are measuring."""
+        self.results, self._claims = self.store.refresh()
+        self._taken = {parts[1] for parts in map(json.loads, self._claims) if parts[0] == ROLE_SEARCH}
+
+    # timing and budgets
+
+    def _mine(self, machine: str | None = None) -> str:
+        return machine if machine is not None else (self.machine.key if self.machine else "")
 
     def _estimate(self) -> float:
-        walls = [r.wall_s for r in self.results if r.measured]
+        walls = [r.wall_s for r in self.results if r.measured and r.machine == self._mine()]
+        walls = walls or [r.wall_s for r in self.results if r.measured]
         return statistics.median(walls) if walls else 0.0
 
     def _time_left(self) -> float:
@@ -320,14 +409,14 @@ class Search:
     def _timeout(self, config: Mapping[str, Any]) -> float:
         if self.o.timeout is not None:
             return self.o.timeout
-        walls = [r.wall_s for r in self.results if r.role == ROLE_BASELINE and r.measured]
+        walls = [r.wall_s for r in self._baselines()]
         timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
         if config.get("compile.mode", "none") != "none":
             timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
         return timeout
 
     def target(self) -> int:
-        """How many distinct configurations (the baseline included) this search measures."""
+        """How many distinct configurations (the baseline included) the study measures, by all its workers."""
         return min(self.o.trials, self.space.size)
 
     def code_key(self, config: Mapping[str, Any]) -> str | None:
@@ -351,31 +440,36 @@ class Search:
                 self._codes[key] = h.hexdigest()
         return self._codes[key]
 
+    def program(self, config: Mapping[str, Any]) -> str:
+        """The key that says two configurations are one program (their code, or the configuration itself)."""
+        return self.code_key(config) or config_key(config)
+
     def measured(self) -> dict[str, TrialResult]:
-        """The programs already measured (baseline and search trials): code key -> first result."""
+        """The programs already measured on any machine (baseline and search trials): program -> first result."""
         out: dict[str, TrialResult] = {}
         for r in self.results:
             if r.role in (ROLE_BASELINE, ROLE_SEARCH):
-                out.setdefault(self.code_key(r.config) or config_key(r.config), r)
+                out.setdefault(self.program(r.config), r)
         return out
 
-    # noise and the gate
+    # noise and the gate: each machine's runs against that machine's baseline runs only
 
-    def _baselines(self) -> list[TrialResult]:
-        return [r for r in self.results if r.role == ROLE_BASELINE and r.measured]
+    def _baselines(self, machine: str | None = None) -> list[TrialResult]:
+        machine = self._mine(machine)
+        return [r for r in self.results if r.role == ROLE_BASELINE and r.measured and r.machine == machine]
 
-    def _reference(self) -> TrialResult | None:
-        base = self._baselines()
+    def _reference(self, machine: str | None = None) -> TrialResult | None:
+        base = self._baselines(machine)
         return base[0] if base else None
 
-    def _noise(self) -> Noise:
-        return measure_noise(self._baselines())
+    def _noise(self, machine: str | None = None) -> Noise:
+        return measure_noise(self._baselines(machine))
 
     def _gate(self, result: TrialResult, noise: Noise | None = None) -> TrialResult:
-        ref = self._reference()
+        ref = self._reference(result.machine)
         if ref is None or not result.measured or result is ref:
             return result
-        noise = noise or self._noise()
+        noise = noise or self._noise(result.machine)
         changed = self.space.changed(result.config)
         verdict = judge(result.with_(status=Outcome.OK), ref, changed, noise, self.o.rtol)
         if result.role == ROLE_BASELINE or (result.role == ROLE_CONFIRM and not changed):
@@ -392,45 +486,75 @@ class Search:
         return result.with_(status=status, deviation=verdict.deviation, tolerance=verdict.tolerance, error=error)
 
     def _regate(self, results: list[TrialResult]) -> list[TrialResult]:
-        """Every trial judged again with the noise measured over the whole search."""
-        noise = self._noise()
-        return [self._gate(r, noise) for r in results]
+        """Every trial judged again with the noise measured over the whole study on its machine."""
+        noise = {m: self._noise(m) for m in {r.machine for r in results}}
+        return [self._gate(r, noise[r.machine]) for r in results]
+
+    def _value(self, result: TrialResult) -> float:
+        """What Optuna maximises: throughput over that of the same machine's baseline runs (0 when it failed).
+
+        A ratio, not steps/s: the sampler compares trials of every machine, and those differ in speed.
+        """
+        if not result.measured or not result.throughput:
+            return 0.0
+        base = [r.throughput for r in self._baselines(result.machine) if r.throughput]
+        return result.throughput / statistics.median(base) if base else 1.0
 
     # running one trial
 
-    def _trial(self, config: Mapping[str, Any] | None, role: str, attrs: Mapping[str, Any] | None = None):
-        """Run one trial (``config`` None: the sampler's choice); None when the sampler proposed a measured one."""
-        trial, config, role, attrs = self.store.ask(config, role, attrs)
-        code = self.code_key(config)
-        if role == ROLE_SEARCH:
-            earlier = self.measured().get(code or config_key(config))
-            if earlier is not None:
-                self.store.reuse(trial, earlier)
-                return None
-        first = self._reference() is None and role == ROLE_BASELINE
-        self.display.trial_started(config, role)
+    def _trial(
+        self,
+        config: Mapping[str, Any] | None,
+        role: str,
+        attrs: Mapping[str, Any] | None = None,
+        claim: str | None = None,
+    ) -> TrialResult | None:
+        """Run one trial (``config`` None: the sampler's choice); None when it was not run: measured or claimed."""
+        trial = self.store.ask(config)
         try:
-            if code is None:
-                error = f"autotune cannot write this configuration as code: {self._bake_errors[config_key(config)]}"
-                result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
-            else:
-                result = self.runner.run(
-                    config, role, self._timeout(config), on_start=lambda pid: self.store.started(trial, pid), attrs=attrs
-                )
+            with self.store.beating(trial):
+                return self._run(trial, role, attrs, claim)
         except BaseException:
             self.store.abandon(trial)
             raise
-        result = result.with_(number=trial.number)
+
+    def _run(self, trial, role: str, attrs: Mapping[str, Any] | None, claim: str | None) -> TrialResult | None:
+        config = self.store.params(trial)
+        code = self.code_key(config)
+        if role == ROLE_SEARCH:
+            claim = _claim(ROLE_SEARCH, self.program(config))
+        self.store.label(trial, role, claim)
+        if role == ROLE_SEARCH:
+            earlier = self.measured().get(self.program(config))
+            if earlier is not None:
+                self.store.reuse(trial, earlier, self._value(earlier))
+                return None
+        if claim is not None and not self.store.holds(trial, claim):
+            self.store.step_aside(trial)  # another worker measures this program, or already did
+            return None
+        first = self._reference() is None and role == ROLE_BASELINE
+        self.display.trial_started(config, role)
+        timeout = self._timeout(config)
+        if code is None:
+            error = f"autotune cannot write this configuration as code: {self._bake_errors[config_key(config)]}"
+            result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
+        else:
+            result = self.runner.run(
+                config, role, timeout, on_start=lambda pid: self.store.started(trial, pid, timeout), attrs=attrs
+            )
+        result = result.with_(number=trial.number, host=self.machine.host, device_name=self.machine.device)
         self.results.append(result)  # first, so that a baseline run counts in the noise it is judged with
         result = self.results[-1] = self._gate(result)
-        self.store.record(trial, result)
+        number = self.store.record(trial, result, self._value(result))
+        if number != trial.number:
+            result = self.results[-1] = result.with_(number=number)
         self.display.trial_finished(result, self._speedup_now(result))
         if first and result.status is not Outcome.OK:
             self._baseline_failed(result)
         return result
 
     def _speedup_now(self, result: TrialResult) -> float | None:
-        base = [r.throughput for r in self._baselines()[-3:] if r.throughput]
+        base = [r.throughput for r in self._baselines(result.machine)[-3:] if r.throughput]
         if not result.measured or not base or not result.throughput:
             return None
         return result.throughput / statistics.median(base)
@@ -444,20 +568,29 @@ class Search:
             f"{self.o.script}: the baseline (every knob at its default) failed: {result.status}: {result.error}"
         )
 
+    def _wait(self, what: str, keys: set[str]) -> None:
+        """Let other workers finish trials this one needs: the study says when (or that their worker died)."""
+        if frozenset(keys) != self._waiting:
+            self._waiting = frozenset(keys)
+            self.display.note(f"waiting for {len(keys)} {what}")
+        time.sleep(WAIT_S)
+        self._refresh()
+
     # exploring the space
 
     def _unmeasured(self, limit: int | None = None) -> dict[str, Any] | None:
-        """The first configuration, in the space's order, whose program was not measured yet (None: all were)."""
+        """The first configuration, in the space's order, whose program nobody measured or is measuring."""
         measured = self.measured()
         for i, c in enumerate(self.space.configs()):
             if limit is not None and i >= limit:
                 return None
-            if (self.code_key(c) or config_key(c)) not in measured:
+            key = self.program(c)
+            if key not in measured and key not in self._taken:
                 return c
         return None
 
     def _next_config(self) -> tuple[dict[str, Any] | None, bool]:
-        """(configuration to enqueue, or None to let the sampler choose; whether the space is exhausted)."""
+        """(configuration to run, or None to let the sampler choose; whether no configuration is left to run)."""
         if self.mode == "enumerated" or self._duplicates >= MAX_DUPLICATES:
             c = self._unmeasured()
             return c, c is None
@@ -467,14 +600,16 @@ class Search:
 
     def _explore(self) -> str:
         self._duplicates = 0
-        if len(self.measured()) >= self.target():
+        if len(self.measured()) >= self.target() and self._baselines():
             return f"all {self.target()} configurations already measured (resumed study)"
-        # two baselines back to back when starting, so the noise is known from the first trial on; one when
-        # resuming, as the machine may have changed since
+        # two baselines back to back on a machine new to the study, so its noise is known from the first trial on;
+        # one when resuming, as the machine may have changed since
         for _ in range(max(1, 2 - len(self._baselines()))):
             self._trial(self.space.baseline(), ROLE_BASELINE)
         while True:
-            if len(self.measured()) >= self.target():
+            self._refresh()
+            measured = len(self.measured())
+            if measured >= self.target():
                 if self.target() == self.space.size:
                     return f"all {self.space.size} configurations measured"
                 return f"trial budget reached ({self.target()} configurations)"
@@ -482,7 +617,9 @@ class Search:
             if self._time_left() < self._estimate() + reserve:
                 return "time budget reached"
             since = 0
-            for r in reversed(self.results):
+            for r in reversed(self.results):  # this machine's search trials since its last baseline run
+                if r.machine != self.machine.key:
+                    continue
                 if r.role == ROLE_BASELINE:
                     break
                 since += r.role == ROLE_SEARCH
@@ -490,6 +627,10 @@ class Search:
                 self._trial(self.space.baseline(), ROLE_BASELINE)
                 continue
             config, exhausted = self._next_config()
+            if self._taken and (exhausted or measured + len(self._taken) >= self.target()):
+                # the rest is being measured by other workers: wait, as a configuration whose worker dies is free again
+                self._wait("configuration(s) other workers are measuring", self._taken)
+                continue
             if exhausted:
                 return (
                     f"all {self.space.size} configurations measured "
@@ -501,7 +642,10 @@ class Search:
     # confirming the winner
 
     def candidates(self) -> list[tuple[dict[str, Any], float]]:
-        """Configurations that passed the gate and beat the baseline runs around them, fastest first."""
+        """Configurations that passed the gate and beat the baseline runs around them, fastest first.
+
+        Each speedup is against the baseline runs of the machine the configuration ran on; machines are not mixed.
+        """
         results = self._regate(self.results)
         speed = local_speedups(results)
         best: dict[str, tuple[dict[str, Any], float]] = {}
@@ -539,31 +683,53 @@ class Search:
                 break
         return out
 
+    def _arms(self, key: str, machine: str) -> dict[tuple[int, str], TrialResult]:
+        """The confirmation runs of candidate ``key`` on ``machine``: (pair, arm) -> result."""
+        got = {}
+        for r in self.results:
+            if r.role == ROLE_CONFIRM and r.attrs.get("candidate") == key and r.machine == machine:
+                got[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
+        return got
+
     def _confirm_one(self, config: dict[str, Any], search_speedup: float) -> Confirmation:
+        """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine)."""
         key = config_key(config)
         baseline = self.space.baseline()
-
-        def arms() -> dict[tuple[int, str], TrialResult]:
-            got = {}
-            for r in self.results:
-                if r.role == ROLE_CONFIRM and r.attrs.get("candidate") == key:
-                    got[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
-            return got
-
+        me = self.machine.key
         stopped = None
         for j in range(self.o.confirm):
             order = ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline")
             for arm in order:
-                if (j, arm) in arms():
-                    continue
+                self._refresh()
+                claim = _claim(ROLE_CONFIRM, me, key, j, arm)
+                if (j, arm) in self._arms(key, me) or claim in self._claims:
+                    continue  # measured, or being measured by another worker on this machine
                 if self._time_left() < self._estimate():
                     stopped = "the time budget ran out during confirmation"
                     break
                 attrs = {"candidate": key, "pair": j, "arm": arm}
-                self._trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs)
+                self._trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs, claim)
             if stopped:
                 break
-        got = arms()
+        while not stopped:  # runs of this confirmation that other workers on this machine are measuring
+            busy = {c for c in self._claims if json.loads(c)[:3] == [ROLE_CONFIRM, me, key]}
+            if not busy:
+                break
+            if self._time_left() < 0:
+                stopped = "the time budget ran out during confirmation"
+                break
+            self._wait("confirmation run(s) of another worker on this machine", busy)
+        return self._verdict(config, self._arms(key, me), stopped, search_speedup, me)
+
+    def _verdict(
+        self,
+        config: dict[str, Any],
+        got: Mapping[tuple[int, str], TrialResult],
+        stopped: str | None,
+        search_speedup: float | None,
+        machine: str,
+    ) -> Confirmation:
+        """Whether the A/B pairs ``got`` confirm ``config``: faster in most pairs, beyond the noise."""
         ratios, base_runs, cand_runs, failed = [], [], [], []
         for j in range(self.o.confirm):
             b, c = got.get((j, "baseline")), got.get((j, "candidate"))
@@ -591,7 +757,14 @@ class Search:
                 f"faster in {wins} of {pairs} A/B pairs, median speedup {median_ratio:.3f}x"
                 + ("" if accepted else f" (needs {need} of {pairs} and above {1 + MIN_GAIN:.2f}x: within the noise)")
             )
-        return Confirmation(config, tuple(ratios), accepted, reason, tuple(base_runs), tuple(cand_runs), search_speedup)
+        return Confirmation(
+            config, tuple(ratios), accepted, reason, tuple(base_runs), tuple(cand_runs), search_speedup, machine
+        )
+
+
+def _claim(*parts: Any) -> str:
+    """What a trial claims, as text: (search, program) or (confirm, machine, candidate, pair, arm)."""
+    return json.dumps(list(parts))
 
 
 def is_baseline_run(r: TrialResult) -> bool:
@@ -600,18 +773,21 @@ def is_baseline_run(r: TrialResult) -> bool:
 
 
 def local_speedups(results) -> dict[int, float]:
-    """Each measured non-baseline trial's throughput over that of the baseline runs just before and after it."""
-    order = list(results)
-    base_pos = [i for i, r in enumerate(order) if is_baseline_run(r) and r.measured]
+    """Each measured non-baseline trial's throughput over that of its machine's baseline runs just before and after."""
+    machines: dict[str, list[TrialResult]] = {}
+    for r in results:
+        machines.setdefault(r.machine, []).append(r)
     out = {}
-    for i, r in enumerate(order):
-        if is_baseline_run(r) or not r.measured or r.number is None:
-            continue
-        before = [p for p in base_pos if p < i][-1:]
-        after = [p for p in base_pos if p > i][:1]
-        near = [order[p].step_time for p in before + after]
-        if near and r.step_time:
-            out[r.number] = statistics.mean(near) / r.step_time
+    for order in machines.values():
+        base_pos = [i for i, r in enumerate(order) if is_baseline_run(r) and r.measured]
+        for i, r in enumerate(order):
+            if is_baseline_run(r) or not r.measured or r.number is None:
+                continue
+            before = [p for p in base_pos if p < i][-1:]
+            after = [p for p in base_pos if p > i][:1]
+            near = [order[p].step_time for p in before + after]
+            if near and r.step_time:
+                out[r.number] = statistics.mean(near) / r.step_time
     return out
 
 
@@ -622,3 +798,42 @@ def _raise_interrupt(signum, frame):  # SIGTERM ends a search the way Ctrl-C doe
 def run_search(options: SearchOptions, display) -> SearchOutcome:
     """Run a search; the caller writes the outputs (report.write_outputs) from what it returns."""
     return Search(options, display).run()
+
+
+def report_from_study(storage: str, study_name: str | None, out: Path, script: Path | None = None) -> SearchOutcome:
+    """What a study holds, as the outcome of the search that made it, without running a trial (autotune report)."""
+    opened = open_storage(storage, must_exist=True)
+    name = study_name or _only_study(opened)
+    store = StudyStore(opened, name, create=False)
+    about = store.about()
+    path = script or Path(about["script"])
+    if not path.is_file():
+        raise UsageError(f"{path}: study '{name}' was made from this script, which is not here (pass --script PATH)")
+    options = SearchOptions(
+        script=path,
+        args=tuple(about["args"]),
+        out=out,
+        trials=int(about["trials"]),
+        steps=int(about["steps"]),
+        warmup=int(about["warmup"]),
+        device=str(about["device"]),
+        storage=storage,
+        study_name=name,
+        rtol=about.get("rtol"),
+        confirm=int(about["confirm"]),
+        seed=int(about.get("seed") or 0),
+        env=dict(about.get("env") or {}),
+        launcher=about.get("launcher"),
+    )
+    return Search(options, QuietDisplay(), about=about).report(store)
+
+
+def _only_study(storage) -> str:
+    import optuna
+
+    names = optuna.get_all_study_names(storage.optuna)
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise UsageError(f"{storage.description} holds no study")
+    raise UsageError(f"{storage.description} holds several studies: pass --study-name ({', '.join(sorted(names))})")

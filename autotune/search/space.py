@@ -163,3 +163,17 @@ def build_space(script_knobs: Iterable[Knob], device: str, wanted: SpaceFile) ->
         knobs.append(knob)
         choices[knob.name] = picked
     return SearchSpace(device, tuple(knobs), choices, left_out)
+
+
+def restore_space(
+    script_knobs: Iterable[Knob], device: str, choices: Mapping[str, list[Any]], left_out: Mapping[str, str]
+) -> SearchSpace:
+    """The space a study was searched over, from its description (``SearchSpace.describe``) and what was left out."""
+    known = {k.name: k for k in script_knobs}
+    missing = sorted(set(choices) - set(known))
+    if missing:
+        raise UsageError(
+            f"the study searched knob(s) this script no longer has ({', '.join(missing)}): the script changed since"
+        )
+    names = sorted(choices)
+    return SearchSpace(device, tuple(known[n] for n in names), {n: tuple(choices[n]) for n in names}, dict(left_out))

@@ -1,16 +1,26 @@
-"""The Optuna side of a search: the study in its storage, asking for configurations and recording trials."""
+"""The Optuna side of a search: the study in its storage, asking for configurations and recording trials.
+
+Several workers (processes on one machine, or machines) can share one study. They coordinate through the storage
+only: each trial says who runs it, on which machine and, for a search trial, which program it measures (its
+claim); the earliest trial of a claim measures it and a later one steps aside. A worker that died leaves a trial
+running: it is closed as failed by the process check on its own host, by Optuna's heartbeat on a database, or
+once it has run far past its own timeout, so that its configuration is measured again.
+"""
 
 from __future__ import annotations
 
 import os
-import socket
-import uuid
+import threading
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.search.machine import host_name
 from autotune.search.space import SearchSpace
 from autotune.search.trial import Outcome, TrialResult
 
@@ -18,13 +28,30 @@ ROLE_BASELINE = "baseline"
 ROLE_SEARCH = "search"
 ROLE_CONFIRM = "confirm"
 ROLE_DUPLICATE = "duplicate"  # the sampler proposed a configuration already measured: its result is reused
+ROLE_YIELDED = "yielded"  # another worker claimed the same program first: ended FAIL without running
 
 ATTR_ROLE = "role"
 ATTR_RESULT = "result"
 ATTR_WORKER = "worker"
+ATTR_MACHINE = "machine"
+ATTR_CLAIM = "claim"
 ATTR_PID = "trial_pid"
+ATTR_PROCESSES = "processes"  # the worker's boot and pid namespace: where its process id means something
+ATTR_TIMEOUT = "timeout_s"
 ATTR_FEASIBLE = "feasible"
-ATTR_TOKEN = "token"
+ATTR_NOTE = "note"
+
+STUDY_FINGERPRINT = "fingerprint"
+STUDY_ABOUT = "search"  # what the study was made from: script, arguments, device, space (autotune report reads it)
+
+HEARTBEAT_ENV = "AUTOTUNE_HEARTBEAT_S"
+HEARTBEAT_S = 10
+GRACE_BEATS = 6  # a trial whose worker missed this many heartbeats in a row is taken for dead
+STALE_MARGIN_S = 120.0  # without heartbeats: a trial seen running this long past its own timeout lost its worker
+UNSTARTED_S = 600.0  # the timeout assumed for a trial whose worker died before starting its process
+SETUP_WAIT_S = 10.0  # how long a claim waits for an earlier trial whose worker is still labelling it
+CONNECT_TIMEOUT_S = 10
+DRIVER_EXTRAS = {"postgresql": "postgres", "mysql": "mysql"}
 
 
 def _feasibility(trial) -> tuple[float]:
@@ -32,22 +59,143 @@ def _feasibility(trial) -> tuple[float]:
     return (0.0 if trial.user_attrs.get(ATTR_FEASIBLE) else 1.0,)
 
 
-def storage_from(url: str | None, default_db: Path):
-    """An Optuna storage: SQLite in the output folder by default, any RDB URL, or a journal file path."""
-    import optuna
+# --- storages ------------------------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Storage:
+    """An Optuna storage, how to name it to the user (no password), and the database that keeps heartbeats."""
+
+    optuna: Any
+    description: str
+    heartbeat: Any = None  # the RDBStorage when trials record heartbeats in it
+
+
+def heartbeat_interval() -> int:
+    """Seconds between a worker's heartbeats (``AUTOTUNE_HEARTBEAT_S``, the same on every worker of a study)."""
+    text = os.environ.get(HEARTBEAT_ENV)
+    if not text:
+        return HEARTBEAT_S
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{HEARTBEAT_ENV} must be a whole number of seconds (at least 1), not {text!r}")
+    return int(text)
+
+
+def open_storage(url: str | None, default_db: Path | None = None, must_exist: bool = False) -> Storage:
+    """SQLite in the output folder by default; a database URL; an SQLite file's path; else a journal file's path."""
     if url is None:
-        return f"sqlite:///{default_db.resolve()}"
-    if "://" in url:
-        return url
-    # a plain path: an Optuna journal file (several processes or machines on a shared file system)
+        assert default_db is not None
+        db = default_db.resolve()
+        return Storage(f"sqlite:///{db}", str(db))
+    if "://" not in url:
+        path = Path(url).expanduser().resolve()
+        if _is_sqlite(path):  # autotune search's own DIR/study.db given as a path
+            return _database(f"sqlite:///{path}")
+        return _journal(path, must_exist)
+    return _database(url)
+
+
+def _is_sqlite(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
+
+
+def _journal(path: Path, must_exist: bool) -> Storage:
+    """An Optuna journal file: several processes, or machines on a shared file system, append to it."""
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    return JournalStorage(JournalFileBackend(str(Path(url).resolve())))
+    if must_exist and not path.is_file():
+        raise UsageError(f"{path}: no such journal file (--storage takes a database URL or a journal file)")
+    if not path.parent.is_dir():
+        raise UsageError(f"{path}: the folder of the journal file does not exist")
+    try:
+        return Storage(JournalStorage(JournalFileBackend(str(path))), str(path))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot open the journal file: {exc.strerror or exc}") from None
 
 
-def _worker() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+def _database(url: str) -> Storage:
+    """An Optuna RDB storage; a database other than SQLite records heartbeats, for workers on other machines."""
+    import optuna
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except Exception:  # sqlalchemy's ArgumentError, or a ValueError from a bad port
+        raise UsageError(f"--storage {url!r} is not a database URL (e.g. postgresql://user@host/db) or a file path") from None
+    shown = parsed.render_as_string(hide_password=True)
+    backend = parsed.get_backend_name()
+    parsed = _with_installed_driver(parsed)
+    kwargs: dict[str, Any] = {}
+    beat = None
+    if backend != "sqlite":
+        kwargs["engine_kwargs"] = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+        beat = heartbeat_interval()
+        kwargs.update(heartbeat_interval=beat, grace_period=GRACE_BEATS * beat)
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(parsed.render_as_string(hide_password=False), **kwargs)
+            return Storage(storage, shown, storage if beat else None)
+        except ImportError as exc:
+            raise UsageError(_driver_hint(backend, exc)) from None
+        except sqlalchemy.exc.OperationalError as exc:  # refused, unknown host, bad password, no such database
+            raise UsageError(f"cannot open the study storage {shown}: {_first_line(exc)}") from None
+        except sqlalchemy.exc.DBAPIError as exc:
+            # workers started at once on a new database race to create Optuna's tables: the loser tries again
+            if attempt == 2:
+                raise UsageError(f"cannot open the study storage {shown}: {_first_line(exc)}") from None
+            time.sleep(1.0)
+        except Exception as exc:  # a dialect sqlalchemy does not know, a bad option in the URL
+            raise UsageError(f"cannot open the study storage {shown}: {type(exc).__name__}: {_first_line(exc)}") from None
+    raise AssertionError("unreachable")
+
+
+# the drivers autotune's extras install, per database, in order of preference; sqlalchemy's own default for a bare
+# postgresql:// or mysql:// differs between its versions (psycopg2 or psycopg; mysqlclient)
+DRIVERS = {"postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2")), "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql"))}
+
+
+def _with_installed_driver(parsed):
+    """A URL without a driver (``postgresql://``) gets the installed one, whichever version of sqlalchemy is here."""
+    import importlib.util
+
+    for module, driver in DRIVERS.get(parsed.drivername, ()):
+        if importlib.util.find_spec(module) is not None:
+            return parsed.set(drivername=f"{parsed.drivername}+{driver}")
+    return parsed
+
+
+def _driver_hint(backend: str, exc: ImportError) -> str:
+    cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc  # Optuna wraps the driver's error
+    missing = f"{cause.name} is not installed" if cause.name else _first_line(cause)
+    extra = DRIVER_EXTRAS.get(backend)
+    if extra:
+        return f"a {backend} storage needs a database driver ({missing}): pip install 'autotune[{extra}]'"
+    return f"a {backend} storage needs a database driver that is not installed ({missing})"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+# --- the study -----------------------------------------------------------------------------------------------
+
+
+def _process_space() -> str:
+    """This boot of this kernel and this pid namespace: a worker's pid can be checked only from the same one."""
+    parts = []
+    for path, read in (("/proc/sys/kernel/random/boot_id", Path.read_text), ("/proc/self/ns/pid", os.readlink)):
+        try:
+            parts.append(str(read(Path(path))).strip())
+        except OSError:
+            parts.append("")
+    return "/".join(parts)
 
 
 def _alive(pid: int) -> bool:
@@ -61,113 +209,301 @@ def _alive(pid: int) -> bool:
 
 
 class StudyStore:
-    """One Optuna study holding every trial of a search, so an interrupted search resumes where it stopped."""
+    """One Optuna study holding every trial of a search, shared by every worker that runs the same search."""
 
-    def __init__(self, storage: Any, name: str, fingerprint: str, space: SearchSpace, seed: int = 0) -> None:
+    def __init__(self, storage: Storage, name: str, create: bool = True, seed: int = 0, machine: str = "") -> None:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.space = space
         # Optuna 5 reads constraints set on the trial; older versions ask a constraints_func after each trial
         self._set_constraint = hasattr(optuna.trial.Trial, "set_constraint")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            # constant_liar: a worker's sampler treats the trials other workers are running as poor, not as free
             if self._set_constraint:
-                sampler = optuna.samplers.TPESampler(seed=seed)
+                sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
             else:
-                sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=_feasibility)
+                sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, constraints_func=_feasibility)
         try:
-            self.study = optuna.create_study(
-                storage=storage, study_name=name, direction="maximize", sampler=sampler, load_if_exists=True
-            )
-        except Exception as exc:  # drivers raise their own types (sqlalchemy, redis, a bad URL's ValueError)
-            raise UsageError(f"cannot open the study storage: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
-        existing = self.study.user_attrs.get("fingerprint")
-        if existing is None:
-            self.study.set_user_attr("fingerprint", fingerprint)
-            self.study.set_user_attr("space", space.describe())
-        elif existing != fingerprint:
+            if create:
+                self.study = optuna.create_study(
+                    storage=storage.optuna, study_name=name, direction="maximize", sampler=sampler, load_if_exists=True
+                )
+            else:
+                self.study = optuna.load_study(study_name=name, storage=storage.optuna, sampler=sampler)
+        except KeyError:
+            raise UsageError(f"no study named '{name}' in {storage.description}{_known_studies(storage)}") from None
+        except Exception as exc:  # drivers raise their own types (sqlalchemy, a journal file that is not one)
+            raise UsageError(f"cannot open study '{name}' in {storage.description}: {_first_line(exc)}") from None
+        self.storage = storage
+        self.name = name
+        self.machine = machine
+        self.host = host_name()
+        self.worker = f"{self.host}:{os.getpid()}"
+        self._processes = _process_space()
+        self.space: SearchSpace | None = None
+        self._distributions: dict[str, Any] = {}
+        self._seen_running: dict[int, float] = {}  # trial number -> when this worker first saw it running
+        self._waited: set[int] = set()  # unlabelled trials already waited for once
+        self._interval = heartbeat_interval() if storage.heartbeat is not None else None
+        self._study_id = storage.heartbeat.get_study_id_from_name(name) if storage.heartbeat is not None else None
+
+    # --- what the study is -------------------------------------------------------------------------------------
+
+    def adopt(self, fingerprint: str, space: SearchSpace, about: Mapping[str, Any]) -> None:
+        """Make the study this search's, or check that it is: one script, arguments and settings per study."""
+        self.space = space
+        self._distributions = space.distributions()
+        attrs = self.study.user_attrs
+        if attrs.get(STUDY_FINGERPRINT) is None:
+            self.study.set_user_attr(STUDY_ABOUT, dict(about))
+            self.study.set_user_attr(STUDY_FINGERPRINT, fingerprint)  # last: its presence says the rest is there
+            attrs = self.study.user_attrs  # read again: another worker may have made the study at the same moment
+        if attrs.get(STUDY_FINGERPRINT) != fingerprint:
             raise UsageError(
-                f"study '{name}' was made for another script, arguments or settings; "
+                f"study '{self.name}' was made for another script, arguments or settings; "
                 "pass another --study-name (or --out) to start a new one"
             )
-        self.name = name
-        self._distributions = space.distributions()
+        if STUDY_ABOUT not in attrs:  # made by an autotune that did not record it yet
+            self.study.set_user_attr(STUDY_ABOUT, dict(about))
 
-    # --- reading ---------------------------------------------------------------------------------------------
+    def about(self) -> dict[str, Any]:
+        """What the study was made from (script, arguments, device, steps...), as ``adopt`` stored it."""
+        about = self.study.user_attrs.get(STUDY_ABOUT)
+        if not isinstance(about, dict) or STUDY_FINGERPRINT not in self.study.user_attrs:
+            raise UsageError(
+                f"study '{self.name}' in {self.storage.description} was not made by autotune search "
+                "(or by a version that did not record what it searched)"
+            )
+        return about
 
-    def results(self) -> list[TrialResult]:
+    @property
+    def fingerprint(self) -> str | None:
+        return self.study.user_attrs.get(STUDY_FINGERPRINT)
+
+    # --- reading -----------------------------------------------------------------------------------------------
+
+    def refresh(self) -> tuple[list[TrialResult], set[str]]:
+        """Close the trials of dead workers, then: every finished result, and the claims other workers hold now."""
+        trials = self.study.get_trials(deepcopy=False)
+        if self.recover(trials):
+            trials = self.study.get_trials(deepcopy=False)
+        return self.results(trials), self._claims(trials)
+
+    def results(self, trials=None) -> list[TrialResult]:
         """Every finished trial's result, in trial order (reused duplicates left out)."""
         from optuna.trial import TrialState
 
+        if trials is None:
+            trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         out = []
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        for t in trials:
+            if t.state is not TrialState.COMPLETE:
+                continue
             if t.user_attrs.get(ATTR_ROLE) == ROLE_DUPLICATE or ATTR_RESULT not in t.user_attrs:
                 continue
             out.append(TrialResult.from_attrs({**t.user_attrs[ATTR_RESULT], "number": t.number}))
         return out
 
-    def counts(self) -> dict[str, int]:
+    def _claims(self, trials) -> set[str]:
         from optuna.trial import TrialState
 
-        states: dict[str, int] = {}
-        for t in self.study.get_trials(deepcopy=False):
-            key = t.state.name.lower() if t.state is not TrialState.COMPLETE else t.user_attrs.get(ATTR_ROLE, "search")
-            states[key] = states.get(key, 0) + 1
-        return states
+        return {
+            t.user_attrs[ATTR_CLAIM]
+            for t in trials
+            if t.state is TrialState.RUNNING and ATTR_CLAIM in t.user_attrs and t.user_attrs.get(ATTR_WORKER) != self.worker
+        }
 
-    # --- writing ---------------------------------------------------------------------------------------------
+    # --- workers that died ---------------------------------------------------------------------------------------
 
-    def recover(self) -> int:
-        """Close the trials a killed search of this machine left running (their results never came): FAIL."""
-        from optuna.trial import TrialState
+    def recover(self, trials=None) -> int:
+        """Close as failed the running trials whose worker is gone, so that their configurations are run again.
 
-        host = socket.gethostname()
-        closed = 0
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            worker = str(t.user_attrs.get(ATTR_WORKER, ""))
-            whost, _, wpid = worker.rpartition(":")
-            # (the trial process itself is gone too: the runtime ends a trial whose search died)
-            if whost == host and wpid.isdigit() and int(wpid) != os.getpid() and not _alive(int(wpid)):
-                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-                closed += 1
-        return closed
-
-    def ask(self, config: Mapping[str, Any] | None, role: str, attrs: Mapping[str, Any] | None = None):
-        """A new trial: ``config`` when given (enqueued first), else the sampler's choice.
-
-        Returns (trial, config, role, attrs). A configuration enqueued by an earlier run that was stopped before
-        asking for it comes back first, with the role it was enqueued with: it is run as that.
+        On this host a worker is gone when its process is; elsewhere when its heartbeats stopped (databases), or
+        when its trial has been running far longer than its own timeout allows (journal files keep no heartbeat).
         """
-        token = uuid.uuid4().hex
-        if config is not None:
-            self.study.enqueue_trial(
-                dict(config), user_attrs={ATTR_ROLE: role, ATTR_TOKEN: token, **dict(attrs or {})}, skip_if_exists=False
-            )
-        trial = self.study.ask(self._distributions)
-        trial.set_user_attr(ATTR_WORKER, _worker())
-        got = dict(trial.user_attrs)
-        role = got.get(ATTR_ROLE, ROLE_SEARCH)
-        extra = {k: v for k, v in got.items() if k not in (ATTR_ROLE, ATTR_TOKEN, ATTR_WORKER)}
-        params = {k.name: trial.params.get(k.name, k.default) for k in self.space.knobs}
-        return trial, params, role, extra
+        import optuna
+        from optuna.trial import TrialState
 
-    def started(self, trial, pid: int) -> None:
+        if trials is None:
+            trials = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        now = time.monotonic()
+        closed = 0
+        for t in trials:
+            if t.state is not TrialState.RUNNING:
+                continue
+            worker = str(t.user_attrs.get(ATTR_WORKER, ""))
+            if worker == self.worker:
+                continue
+            whost, _, wpid = worker.rpartition(":")
+            # (containers that share the host name, a reboot: the same pid is another process there)
+            here = t.user_attrs.get(ATTR_PROCESSES, self._processes) == self._processes
+            if whost == self.host and wpid.isdigit() and here:
+                # (the trial process itself is gone too: the runtime ends a trial whose search died)
+                dead = not _alive(int(wpid))
+            else:
+                seen = self._seen_running.setdefault(t.number, now)
+                limit = float(t.user_attrs.get(ATTR_TIMEOUT, UNSTARTED_S))
+                dead = now - seen > limit + STALE_MARGIN_S
+            if dead:
+                closed += self._close(t.number)
+        if self.storage.heartbeat is not None:
+            before = sum(t.state is TrialState.RUNNING for t in trials)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(self.study)
+            if before:
+                closed += before - len(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+        return max(closed, 0)
+
+    def _close(self, number: int) -> int:
+        import optuna
+        from optuna.trial import TrialState
+
+        try:
+            self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            return 0  # its worker finished it after all, or another worker closed it first
+        return 1
+
+    @contextmanager
+    def beating(self, trial) -> Iterator[None]:
+        """Record ``trial``'s heartbeat while it runs (database storages), so other workers see if this one dies."""
+        hb = self.storage.heartbeat
+        if hb is None:
+            yield
+            return
+        trial_id = hb.get_trial_id_from_study_id_trial_number(self._study_id, trial.number)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while True:
+                try:
+                    hb.record_heartbeat(trial_id)
+                except Exception:  # the database is away for a moment: the next beat tries again
+                    pass
+                if stop.wait(self._interval):
+                    return
+
+        thread = threading.Thread(target=beat, name="autotune-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    # --- writing -----------------------------------------------------------------------------------------------
+
+    def ask(self, config: Mapping[str, Any] | None):
+        """A new running trial of ``config``, or of the sampler's choice when None."""
+        import optuna
+        from optuna.trial import TrialState
+
+        while True:
+            with warnings.catch_warnings():
+                # Optuna warns that its heartbeat is meant for Study.optimize: here beating() records it instead
+                warnings.simplefilter("ignore")
+                if config is None:
+                    trial = self.study.ask(self._distributions)
+                else:
+                    # A sampler that returns the configuration, not enqueue_trial: a queued trial is taken by
+                    # whichever worker asks next, so a baseline or confirmation run meant for this machine could
+                    # run on another one.
+                    base = self.study.sampler
+                    self.study.sampler = optuna.samplers.PartialFixedSampler(dict(config), base)
+                    try:
+                        trial = self.study.ask(self._distributions)
+                    finally:
+                        self.study.sampler = base
+            if ATTR_ROLE not in trial.user_attrs and (config is None or self.params(trial) == dict(config)):
+                return trial
+            # a trial queued with enqueue_trial (by an autotune before 0.2, or by hand) came back instead of a new
+            # one: its role and machine are unknown here, so it is closed unrun
+            trial.set_user_attr(ATTR_NOTE, "a queued trial: autotune runs only the trials it asks for")
+            self.study.tell(trial, state=TrialState.FAIL)
+
+    def params(self, trial) -> dict[str, Any]:
+        assert self.space is not None
+        return {k.name: trial.params.get(k.name, k.default) for k in self.space.knobs}
+
+    def label(self, trial, role: str, claim: str | None = None) -> None:
+        """Say who runs ``trial``, where, and what it claims; the role last: a trial with a role is labelled."""
+        trial.set_user_attr(ATTR_PROCESSES, self._processes)  # before the worker: a pid is never read without it
+        trial.set_user_attr(ATTR_WORKER, self.worker)
+        trial.set_user_attr(ATTR_MACHINE, self.machine)
+        if claim is not None:
+            trial.set_user_attr(ATTR_CLAIM, claim)
+        trial.set_user_attr(ATTR_ROLE, role)
+
+    def holds(self, trial, claim: str) -> bool:
+        """Whether ``trial`` holds ``claim``: no earlier trial, running or finished, claims the same.
+
+        Trial numbers are handed out by the storage one by one, so of two workers that claim the same program at
+        once exactly one holds it. An earlier trial that is not labelled yet may be about to claim it: wait.
+        """
+        from optuna.trial import TrialState
+
+        deadline = time.monotonic() + SETUP_WAIT_S
+        while True:
+            unlabelled = []
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)):
+                if t.number >= trial.number:
+                    continue
+                if t.user_attrs.get(ATTR_CLAIM) == claim:
+                    return False
+                if t.state is TrialState.RUNNING and ATTR_ROLE not in t.user_attrs and t.number not in self._waited:
+                    unlabelled.append(t.number)
+            if not unlabelled:
+                return True
+            if time.monotonic() > deadline:  # its worker died while labelling it: it claims nothing
+                self._waited.update(unlabelled)
+                return True
+            time.sleep(0.05)
+
+    def step_aside(self, trial) -> None:
+        """Another worker claimed the same program first: end this trial unrun."""
+        from optuna.trial import TrialState
+
+        trial.set_user_attr(ATTR_ROLE, ROLE_YIELDED)
+        self.study.tell(trial, state=TrialState.FAIL)
+
+    def started(self, trial, pid: int, timeout: float) -> None:
         trial.set_user_attr(ATTR_PID, pid)
+        trial.set_user_attr(ATTR_TIMEOUT, timeout)
 
-    def record(self, trial, result: TrialResult) -> None:
-        """Tell Optuna a trial's outcome: its throughput (0 when it failed), feasible only when it passed."""
+    def record(self, trial, result: TrialResult, value: float) -> int:
+        """Tell Optuna a trial's outcome (``value``, feasible only when it passed); the number it is stored under."""
+        import optuna
+
+        try:
+            self._tell(trial, result, value)
+            return trial.number
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            if not self._finished(trial.number):
+                raise
+        # another worker took this one for dead (a pause longer than the heartbeat grace) and closed the trial:
+        # the measurement is still good, so it is kept in a new trial
+        again = self.ask(result.config)
+        self.label(again, result.role)
+        self._tell(again, result, value)
+        return again.number
+
+    def _tell(self, trial, result: TrialResult, value: float) -> None:
         trial.set_user_attr(ATTR_ROLE, result.role)
         trial.set_user_attr(ATTR_RESULT, result.to_attrs())
         self._feasible(trial, result.status is Outcome.OK)
-        self.study.tell(trial, float(result.throughput or 0.0) if result.measured else 0.0)
+        self.study.tell(trial, value)
 
-    def reuse(self, trial, earlier: TrialResult) -> None:
+    def _finished(self, number: int) -> bool:
+        return self.study.get_trials(deepcopy=False)[number].state.is_finished()
+
+    def reuse(self, trial, earlier: TrialResult, value: float) -> None:
         """The sampler proposed a configuration already measured: tell it the earlier result (Optuna's FAQ way)."""
         trial.set_user_attr(ATTR_ROLE, ROLE_DUPLICATE)
         trial.set_user_attr("duplicate_of", earlier.number)
         self._feasible(trial, earlier.status is Outcome.OK)
-        self.study.tell(trial, float(earlier.throughput or 0.0) if earlier.measured else 0.0)
+        self.study.tell(trial, value)
 
     def _feasible(self, trial, feasible: bool) -> None:
         trial.set_user_attr(ATTR_FEASIBLE, feasible)
@@ -179,3 +515,13 @@ class StudyStore:
         from optuna.trial import TrialState
 
         self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def _known_studies(storage: Storage) -> str:
+    import optuna
+
+    try:
+        names = optuna.get_all_study_names(storage.optuna)
+    except Exception:
+        return ""
+    return f" (it has: {', '.join(sorted(names))})" if names else " (it has no studies)"

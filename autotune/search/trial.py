@@ -24,6 +24,7 @@ import yaml
 from autotune.errors import UsageError
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
 from autotune.runtime import CONFIG_ENV, TRIAL_ENV
+from autotune.search.machine import machine_key
 
 STDERR_TAIL_CHARS = 2000
 LAUNCHER_TAIL_CHARS = 8000  # a launcher's own failure summary alone fills a few thousand characters
@@ -77,6 +78,13 @@ class TrialResult:
     attrs: Mapping[str, Any] = field(default_factory=dict)  # the role's bookkeeping (confirmation pair, arm)
     ranks: int = 1  # processes in the trial: the launcher's world size
     rank_losses: tuple[tuple[tuple[float, ...], ...], ...] = ()  # under a launcher, each rank's own losses
+    host: str = ""  # the machine it ran on: timings are compared only between runs of the same machine key
+    device_name: str = ""  # CPU model and cores, or GPU name
+
+    @property
+    def machine(self) -> str:
+        """The key of the machine it ran on (host and device)."""
+        return machine_key(self.host, self.device_name)
 
     @property
     def measured(self) -> bool:

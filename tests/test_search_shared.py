@@ -1,0 +1,309 @@
+"""Two ``autotune search`` workers on one study at once: a real PostgreSQL server on loopback, and a journal file.
+
+The server is Debian's PostgreSQL (``.ci/run`` installs it), started for these tests on a free port in a temporary
+folder and removed afterwards. Where it cannot be started the tests are skipped, and the reason is printed.
+Timings are never asserted.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "fixtures" / "search" / "tiny.py"
+SPACE = {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]}  # 4 configurations
+SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "1"]
+# one intra-op thread (steadier on a shared machine); heartbeats each second, so a dead worker shows in 6 s
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTUNE_HEARTBEAT_S": "1"}
+ENV.pop("AUTOTUNE_HOST", None)
+
+pytestmark = pytest.mark.slow
+
+
+# --- a PostgreSQL server of the tests' own ---------------------------------------------------------------------
+
+
+def _postgres_bin() -> Path | None:
+    found = shutil.which("initdb")
+    if found:
+        return Path(found).resolve().parent
+    versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parts[-3]))
+    return Path(versions[-1]).parent if versions else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(text: str, lines: int = 5) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """The URL of a fresh PostgreSQL server on 127.0.0.1, stopped and its folder removed afterwards."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("no PostgreSQL driver: pip install 'autotune[postgres]'")
+    bindir = _postgres_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb on PATH or in /usr/lib/postgresql/*/bin)")
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        # PostgreSQL refuses to run as root: run it as the postgres user the Debian package creates
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root, and there is no 'postgres' user to run PostgreSQL as")
+        if shutil.which("runuser"):
+            as_user = ["runuser", "-u", "postgres", "--"]
+        elif shutil.which("setpriv"):
+            as_user = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups"]
+        else:
+            pytest.skip("running as root, and neither runuser nor setpriv is there to run PostgreSQL as postgres")
+    base = Path(tempfile.mkdtemp(prefix="autotune-pg-"))
+    data, log = base / "data", base / "server.log"
+    started = False
+
+    def pg(*args: str) -> subprocess.CompletedProcess:
+        cmd = [*as_user, str(bindir / args[0]), *args[1:]]
+        return subprocess.run(cmd, cwd=base, capture_output=True, text=True, timeout=120)
+
+    try:
+        if as_user:
+            os.chown(base, pw.pw_uid, pw.pw_gid)
+        init = pg("initdb", "-D", str(data), "-U", "autotune", "-A", "trust", "-E", "UTF8", "--no-sync")
+        if init.returncode != 0:
+            pytest.skip(f"PostgreSQL's initdb failed: {_tail(init.stdout + init.stderr)}")
+        port = _free_port()
+        # no fsync (a throwaway server); the socket in the server's own folder, not /var/run/postgresql
+        opts = f"-h 127.0.0.1 -p {port} -k {base} -F"
+        start = pg("pg_ctl", "-D", str(data), "-l", str(log), "-o", opts, "-w", "-t", "60", "start")
+        started = True  # (pg_ctl may have started it even when it says it failed)
+        if start.returncode != 0:
+            server = log.read_text(errors="replace") if log.exists() else ""
+            pytest.skip(f"PostgreSQL did not start: {_tail(start.stdout + start.stderr + server)}")
+        yield f"postgresql://autotune@127.0.0.1:{port}/postgres"
+    finally:
+        if started:
+            pg("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "-t", "60", "stop")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(params=["postgresql", "journal"])
+def shared(request, tmp_path):
+    """(storage, the two workers' host names): on PostgreSQL two machines; a journal file: two workers of one."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres"), ("alpha", "beta")
+    return str(tmp_path / "study.log"), (None, None)
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _storage(url: str):
+    from autotune.search.study import open_storage
+
+    return open_storage(url).optuna  # one connection pool per storage, however often the tests look
+
+
+def trials(storage: str, name: str):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=name, storage=_storage(storage)).get_trials(deepcopy=False)
+
+
+def start_worker(tmp_path: Path, storage: str, name: str, index: int, host: str | None):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"knobs": SPACE}))
+    out = tmp_path / f"out-{index}"
+    cmd = ["search", TINY, "--out", out, "--space", space, "--storage", storage, "--study-name", name, *SMALL]
+    env = dict(ENV, **({"AUTOTUNE_HOST": host} if host else {}))
+    log = open(tmp_path / f"worker-{index}.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune", *map(str, cmd), "--", "--iters", "12"],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    return proc, out, tmp_path / f"worker-{index}.log"
+
+
+def finish(proc, log: Path, timeout: float = 600) -> str:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    text = log.read_text()
+    assert rc == 0, text
+    return text
+
+
+def printed_trials(text: str) -> list[int]:
+    """The trial numbers a worker printed as it finished them (one line per trial it ran)."""
+    return [int(m) for m in re.findall(r"^  #\s*(\d+) ", text, flags=re.M)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def snapshot(storage: str, name: str) -> dict:
+    return {
+        t.number: (t.params, t.values, t.user_attrs.get("role"), t.user_attrs["result"]["step_times"])
+        for t in trials(storage, name)
+        if t.state.name == "COMPLETE"
+    }
+
+
+def search_configs(ts) -> list[tuple]:
+    return [tuple(sorted(t.params.items())) for t in ts if t.state.name == "COMPLETE" and t.user_attrs.get("role") == "search"]
+
+
+# --- the tests -------------------------------------------------------------------------------------------------
+
+
+def test_two_workers_share_one_study(tmp_path, shared):
+    storage, hosts = shared
+    workers = [start_worker(tmp_path, storage, "two", i, host) for i, host in enumerate(hosts)]
+    logs = [finish(proc, log) for proc, _, log in workers]
+
+    ts = trials(storage, "two")
+    done = [t for t in ts if t.state.name == "COMPLETE" and t.user_attrs.get("role") != "duplicate"]
+    # every finished trial is stored exactly once, by the worker that printed it
+    ran = [printed_trials(text) for text in logs]
+    assert all(ran), logs  # both workers measured
+    assert sorted(ran[0] + ran[1]) == sorted(t.number for t in done)
+    assert len({t.user_attrs["result"]["pid"] for t in done}) == len(done)
+    # no program measured twice: each of the 3 non-baseline configurations once, by one worker or the other
+    assert sorted(search_configs(ts)) == sorted(set(search_configs(ts))) and len(search_configs(ts)) == 3
+    for t in ts:
+        if t.user_attrs.get("role") == "yielded":  # stepped aside for the other worker: never ran
+            assert t.state.name == "FAIL" and "trial_pid" not in t.user_attrs and "result" not in t.user_attrs
+    assert not [t for t in ts if t.state.name == "RUNNING"]
+
+    results = [t.user_attrs["result"] for t in done]
+    assert all(r["host"] and r["device_name"] for r in results)
+    expected = [h or socket.gethostname() for h in hosts]
+    for host in set(expected):
+        assert sum(r["role"] == "baseline" and r["host"] == host for r in results) >= 2  # its own baselines
+    runs = []
+    for (proc, out, _), host in zip(workers, expected):
+        doc = yaml.safe_load((out / "autotune.yaml").read_text())
+        assert doc["machine"].startswith(f"{host} (") and doc["search"]["configurations_measured"] == 4
+        runs.append(sum(doc["search"]["machines"].values()))
+    assert max(runs) == len(done)  # the worker that ended last wrote its outputs from every run of the study
+    for t in done:  # each confirmation run was measured on the machine whose confirmation it is
+        r = t.user_attrs["result"]
+        if r["role"] == "confirm":
+            assert json.loads(t.user_attrs["claim"])[1] == f"{r['host']} ({r['device_name']})"
+
+    report = autotune_report(tmp_path, storage, "two")
+    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|search|confirm) \|", line)]
+    assert len(rows) == len(done)
+    if hosts[0]:
+        machines = next(line for line in report.splitlines() if line.startswith("- Machines: "))
+        assert "alpha (" in machines and "beta (" in machines
+
+
+def autotune_report(tmp_path: Path, storage: str, name: str) -> str:
+    out = tmp_path / "report"
+    run = subprocess.run(
+        [sys.executable, "-m", "autotune", "report", "--storage", storage, "--study-name", name, "--out", str(out)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    for f in ("tiny.py", "autotune.yaml", "tuned.diff", "report.md"):
+        assert (out / f).is_file(), f
+    compile((out / "tiny.py").read_text(), "tiny.py", "exec")
+    return (out / "report.md").read_text()
+
+
+def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, postgres):
+    storage = postgres
+    (alpha, _, alpha_log), (beta, _, _) = [start_worker(tmp_path, storage, "kill", i, h) for i, h in enumerate(("alpha", "beta"))]
+    try:
+        deadline = time.monotonic() + 300
+        victim = None
+        while victim is None:
+            assert time.monotonic() < deadline, "beta never ran a search trial"
+            assert beta.poll() is None and alpha.poll() is None, alpha_log.read_text()
+            time.sleep(0.2)
+            try:
+                ts = trials(storage, "kill")
+            except KeyError:  # the study is not made yet
+                continue
+            alpha_done = [t for t in ts if t.state.name == "COMPLETE" and t.user_attrs["worker"].startswith("alpha:")]
+            running = [
+                t
+                for t in ts
+                if t.state.name == "RUNNING"
+                and t.user_attrs.get("role") == "search"
+                and t.user_attrs["worker"].startswith("beta:")
+                and "trial_pid" in t.user_attrs
+            ]
+            if alpha_done and running:
+                victim = running[0]
+        before = snapshot(storage, "kill")
+        beta.send_signal(signal.SIGKILL)  # no clean-up at all: its trial stays RUNNING in the study
+        beta.wait(timeout=30)
+        finish(alpha, alpha_log)
+    finally:
+        for p in (alpha, beta):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    pid = victim.user_attrs["trial_pid"]
+    deadline = time.monotonic() + 15
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(pid)  # the trial ended itself with its worker
+    after = snapshot(storage, "kill")
+    assert {n: after[n] for n in before} == before  # nothing either worker finished was lost or changed
+    ts = trials(storage, "kill")
+    assert ts[victim.number].state.name == "FAIL"  # its heartbeat stopped: closed by the other worker
+    measured = search_configs(ts)
+    assert len(measured) == len(set(measured)) == 3  # and its configuration was measured again, once
+    again = [
+        t
+        for t in ts
+        if t.state.name == "COMPLETE" and t.params == victim.params and t.user_attrs.get("role") == "search"
+    ]
+    assert len(again) == 1 and again[0].number > victim.number and again[0].user_attrs["worker"].startswith("alpha:")

@@ -1,0 +1,299 @@
+"""The shared study without running trials: storages, claims between workers, dead workers, machines kept apart."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autotune.cli import main
+from autotune.errors import UsageError
+from autotune.search import study as study_mod
+from autotune.search.live import QuietDisplay
+from autotune.search.search import Search, SearchOptions, local_speedups
+from autotune.search.study import ROLE_SEARCH, ROLE_YIELDED, StudyStore, open_storage
+from autotune.search.trial import Outcome, TrialResult
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "fixtures" / "search" / "tiny.py"
+
+
+def _space(tmp_path: Path) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"knobs": {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]}}))
+    return path
+
+
+def _search(tmp_path: Path, script: Path = TINY, **kw) -> Search:
+    options = SearchOptions(script=script, out=tmp_path / "out", space=_space(tmp_path), study_name="s", **kw)
+    return Search(options, QuietDisplay())
+
+
+def _store(search: Search, storage, worker: str, machine: str = "m (cpu)") -> StudyStore:
+    """A worker's view of the study; two in one process are told apart by the worker name they write."""
+    store = StudyStore(storage, search.study_name, machine=machine)
+    store.adopt(search.fingerprint, search.space, search.about())
+    store.worker = worker
+    return store
+
+
+def _result(config, role="search", host="a", step=0.01, losses=((1.0,), (0.9,)), number=None, status=Outcome.OK, attrs=None):
+    return TrialResult(
+        config=dict(config),
+        role=role,
+        status=status,
+        step_times=(step, step),
+        losses=tuple(losses),
+        number=number,
+        host=host,
+        device_name="cpu",
+        attrs=attrs or {},
+    )
+
+
+@pytest.fixture(params=["sqlite", "journal"])
+def storage(request, tmp_path):
+    if request.param == "sqlite":
+        return open_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    return open_storage(str(tmp_path / "study.log"))
+
+
+# --- two workers on one study ----------------------------------------------------------------------------------
+
+
+def test_the_earlier_claim_holds_and_the_later_worker_steps_aside(tmp_path, storage):
+    search = _search(tmp_path)
+    one, two = _store(search, storage, "host-a:1"), _store(search, storage, "host-b:2")
+    config = {"fused_optimizer.impl": "foreach", "gc.freeze": False}
+    first, second = one.ask(config), two.ask(config)
+    assert one.params(first) == two.params(second) == config  # fixed without enqueue_trial: nobody else's to take
+    claim = '["search", "program"]'
+    one.label(first, ROLE_SEARCH, claim)
+    two.label(second, ROLE_SEARCH, claim)
+    assert second.number > first.number
+    assert one.holds(first, claim) and not two.holds(second, claim)
+    two.step_aside(second)
+    _, claims = two.refresh()
+    assert claims == {claim}  # what the other worker is measuring: taken
+    assert one.refresh()[1] == set()  # its own claims are not taken from itself
+    states = {t.number: (t.state.name, t.user_attrs["role"]) for t in one.study.get_trials()}
+    assert states[second.number] == ("FAIL", ROLE_YIELDED)
+    one.record(first, _result(config, number=first.number), 1.2)
+    assert one.refresh()[1] == set()
+    # finished, the claim still holds against a worker that asks for the same program later
+    late = two.ask(config)
+    two.label(late, ROLE_SEARCH, claim)
+    assert not two.holds(late, claim)
+
+
+def test_a_queued_trial_never_runs_in_place_of_the_configuration_asked_for(tmp_path, storage):
+    search = _search(tmp_path)
+    one = _store(search, storage, "host-a:1", "a (cpu)")
+    # an older autotune queued a confirmation run for its own machine with enqueue_trial: any worker's ask() pops it
+    other = {"fused_optimizer.impl": "foreach", "gc.freeze": True}
+    one.study.enqueue_trial(other, user_attrs={"role": "confirm", "pair": 0, "arm": "candidate"})
+    base = search.space.baseline()
+    trial = one.ask(base)
+    assert one.params(trial) == base
+    queued = one.study.get_trials()[0]
+    assert queued.number != trial.number and queued.state.name == "FAIL" and "queued" in queued.user_attrs["note"]
+
+
+def test_a_dead_workers_trial_on_this_host_is_closed_and_its_claim_freed(tmp_path, storage):
+    search = _search(tmp_path)
+    one = _store(search, storage, "me:1")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    two = _store(search, storage, f"{one.host}:{dead.pid}")  # a worker of this host whose process is gone
+    trial = two.ask({"fused_optimizer.impl": "foreach", "gc.freeze": True})
+    two.label(trial, ROLE_SEARCH, '["search", "x"]')
+    container = _store(search, storage, f"{one.host}:{dead.pid}")
+    container._processes = "another-boot/pid:[1]"  # same host name, other pid namespace: that pid means nothing here
+    elsewhere = container.ask({"fused_optimizer.impl": "foreach", "gc.freeze": False})
+    container.label(elsewhere, ROLE_SEARCH, '["search", "y"]')
+    _, claims = one.refresh()
+    assert claims == {'["search", "y"]'}
+    states = [t.state.name for t in one.study.get_trials()]
+    assert states[trial.number] == "FAIL" and states[elsewhere.number] == "RUNNING"
+
+
+def test_a_trial_running_far_past_its_timeout_on_another_host_is_closed(tmp_path, storage, monkeypatch):
+    search = _search(tmp_path)
+    one = _store(search, storage, "me:1")
+    two = _store(search, storage, "elsewhere:7")
+    trial = two.ask({"fused_optimizer.impl": "foreach", "gc.freeze": True})
+    two.label(trial, ROLE_SEARCH, '["search", "x"]')
+    two.started(trial, 12345, 0.0)
+    monkeypatch.setattr(study_mod, "STALE_MARGIN_S", 0.05)
+    assert one.refresh()[1] == {'["search", "x"]'}  # first seen running: its worker may be fine
+    import time
+
+    time.sleep(0.1)
+    assert one.refresh()[1] == set()
+    assert one.study.get_trials()[trial.number].state.name == "FAIL"
+
+
+def test_a_result_whose_trial_was_closed_meanwhile_is_kept_in_a_new_trial(tmp_path, storage):
+    search = _search(tmp_path)
+    one = _store(search, storage, "me:1")
+    config = {"fused_optimizer.impl": "foreach", "gc.freeze": False}
+    trial = one.ask(config)
+    one.label(trial, ROLE_SEARCH)
+    one.study.tell(trial.number, state=__import__("optuna").trial.TrialState.FAIL)  # another worker took it for dead
+    number = one.record(trial, _result(config), 1.1)
+    assert number != trial.number
+    assert [r.number for r in one.results()] == [number]
+
+
+# --- machines are never compared with each other -------------------------------------------------------------
+
+
+def test_local_speedups_use_only_the_same_machines_baselines():
+    base = {"k": 0}
+    runs = [
+        _result(base, role="baseline", host="fast", step=0.01, number=0),
+        _result(base, role="baseline", host="slow", step=0.10, number=1),
+        _result({"k": 1}, host="fast", step=0.005, number=2),
+        _result({"k": 2}, host="slow", step=0.05, number=3),
+        _result(base, role="baseline", host="slow", step=0.10, number=4),
+        _result(base, role="baseline", host="fast", step=0.01, number=5),
+    ]
+    assert local_speedups(runs) == {2: pytest.approx(2.0), 3: pytest.approx(2.0)}
+
+
+def test_each_machines_runs_are_gated_against_its_own_baseline(tmp_path):
+    search = _search(tmp_path)
+    base = search.space.baseline()
+    foreach = {**base, "fused_optimizer.impl": "foreach"}
+    gc = {**base, "gc.freeze": True}  # exact numerics: any loss difference fails
+    other_cpu = ((1.0,), (0.8,))  # another CPU model rounds differently: its own baseline differs from ours
+    search.results = [
+        _result(base, role="baseline", host="a", number=0),
+        _result(base, role="baseline", host="b", losses=other_cpu, number=1),
+        _result(base, role="baseline", host="a", number=2),
+        _result(base, role="baseline", host="b", losses=other_cpu, number=3),
+        _result(gc, host="b", losses=other_cpu, step=0.005, number=4),
+        _result(foreach, host="a", losses=other_cpu, step=0.005, number=5),
+        _result(base, role="baseline", host="b", losses=other_cpu, number=6),
+        _result(base, role="baseline", host="a", number=7),
+    ]
+    gated = {r.number: r for r in search._regate(search.results)}
+    assert gated[4].status is Outcome.OK and gated[4].deviation == 0.0
+    assert gated[5].status is Outcome.DIVERGED
+    b = search.results[1].machine
+    assert b == "b (cpu)" and search._reference(b).number == 1 and search._noise(b).runs == 3
+    assert [c for c, _ in search.candidates()] == [gc]
+
+
+# --- storages and autotune report's bad input --------------------------------------------------------------------
+
+
+def test_a_search_database_path_opens_as_sqlite_and_other_paths_as_journal_files(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "study.db"
+    sqlite3.connect(db).execute("create table t (x)").connection.commit()
+    assert open_storage(str(db)).description == f"sqlite:///{db}"
+    journal = open_storage(str(tmp_path / "j.log"))
+    assert type(journal.optuna).__name__ == "JournalStorage" and journal.heartbeat is None
+    with pytest.raises(UsageError, match="folder of the journal file does not exist"):
+        open_storage(str(tmp_path / "nope" / "j.log"))
+
+
+def _cli(argv, capsys):
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize(
+    "storage, message",
+    [
+        ("postgresql://u:secret@127.0.0.1:1/db", "cannot open the study storage postgresql://u:***@127.0.0.1:1/db"),
+        ("postgresql://u@host:port/db", "is not a database URL"),
+        ("nosuch://x", "cannot open the study storage nosuch://x"),
+        ("{tmp}/missing.log", "no such journal file"),
+    ],
+    ids=["refused", "bad-url", "unknown-dialect", "no-journal"],
+)
+def test_report_bad_storage_is_one_line_and_exit_2(storage, message, tmp_path, capsys):
+    rc, err = _cli(["report", "--storage", storage.format(tmp=tmp_path), "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and message in err and len(err.splitlines()) == 1 and "secret" not in err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("url, extra", [("postgresql://u@127.0.0.1:1/db", "postgres"), ("mysql://u@127.0.0.1:1/db", "mysql")])
+def test_a_missing_database_driver_says_which_extra_to_install(url, extra, monkeypatch, tmp_path, capsys):
+    for module in ("psycopg", "psycopg2", "MySQLdb", "pymysql"):
+        monkeypatch.setitem(sys.modules, module, None)  # what `import` sees when it is not installed
+    rc, err = _cli(["report", "--storage", url, "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and f"pip install 'autotune[{extra}]'" in err and len(err.splitlines()) == 1
+
+
+def test_report_refuses_unknown_studies_changed_scripts_and_empty_studies(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text())
+    search = _search(tmp_path, script=script, args=("--iters", "12"))
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    _store(search, open_storage(url), "me:1")
+    out = tmp_path / "r"
+
+    rc, err = _cli(["report", "--storage", url, "--study-name", "nope", "--out", out], capsys)
+    assert rc == 2 and "no study named 'nope'" in err and "(it has: s)" in err
+
+    rc, err = _cli(["report", "--storage", url, "--out", out], capsys)  # its only study
+    assert rc == 2 and "study 's' has no finished trials yet" in err
+
+    script.write_text(TINY.read_text().replace("lr=1e-3", "lr=2e-3"))
+    rc, err = _cli(["report", "--storage", url, "--study-name", "s", "--out", out], capsys)
+    assert rc == 2 and "changed since study 's' was made" in err and len(err.splitlines()) == 1
+
+    rc, err = _cli(["report", "--storage", url, "--script", tmp_path / "gone.py", "--out", out], capsys)
+    assert rc == 2 and "gone.py" in err and "--script" in err
+    assert not out.exists()
+
+
+def test_heartbeat_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(study_mod.HEARTBEAT_ENV, "soon")
+    with pytest.raises(UsageError, match="whole number of seconds"):
+        study_mod.heartbeat_interval()
+    monkeypatch.setenv(study_mod.HEARTBEAT_ENV, "3")
+    assert study_mod.heartbeat_interval() == 3
+    monkeypatch.delenv(study_mod.HEARTBEAT_ENV)
+    assert study_mod.heartbeat_interval() == study_mod.HEARTBEAT_S
+
+
+def test_a_machine_is_named_by_its_host_and_device(monkeypatch):
+    from autotune.search.machine import HOST_ENV, this_machine
+
+    monkeypatch.setenv(HOST_ENV, "rack-7")
+    m = this_machine("cpu")
+    assert m.host == "rack-7" and m.device.endswith(" cores") and m.key == f"rack-7 ({m.device})"
+    monkeypatch.delenv(HOST_ENV)
+    assert this_machine("cpu").host == os.uname().nodename
+
+
+def test_report_writes_a_studys_outputs_and_says_when_nothing_was_confirmed(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text())
+    search = _search(tmp_path, script=script, args=("--iters", "12"))
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    store = _store(search, open_storage(url), "a:1", "a (cpu)")
+    base = search.space.baseline()
+    fast = {**base, "gc.freeze": True}
+    for config, role, step in [(base, "baseline", 0.02), (base, "baseline", 0.02), (fast, "search", 0.01), (base, "baseline", 0.02)]:
+        trial = store.ask(config)
+        store.label(trial, role)
+        store.record(trial, _result(config, role=role, step=step, number=trial.number), 1.0)
+    out = tmp_path / "r"
+    rc = main(["report", "--storage", url, "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = yaml.safe_load((out / "autotune.yaml").read_text())
+    assert doc["winner"] == "baseline" and doc["changed"] == {}
+    assert "no candidate was confirmed in A/B pairs yet" in doc["verdict"] and "gc.freeze=true, 2.000x" in doc["verdict"]
+    assert doc["machine"] == "a (cpu)" and doc["search"]["runs"] == 4
+    assert (out / "train.py").read_text() == script.read_text() and (out / "tuned.diff").read_text() == ""
+    assert "no trial run" in (out / "report.md").read_text()
