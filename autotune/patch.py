@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import libcst as cst
-import yaml
 
 from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, Project, TrainingLoop, load_project
 from autotune.errors import UsageError
@@ -327,6 +326,8 @@ def write_files(result: PatchResult, out_dir: Path) -> list[Path]:
 
 def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> list[Path]:
     """Write the patched files, the unchanged local modules beside them, autotune.yaml and patch.diff."""
+    import yaml  # here, not at the top: scan and patch --diff write no config, and start-up counts
+
     root = result.project.root
     out_dir = out_dir.resolve()
     if out_dir == root:
@@ -356,6 +357,8 @@ def _backup_path(path: Path) -> Path:
 
 def write_in_place(result: PatchResult) -> list[Path]:
     """Overwrite the user's changed files, each after keeping ``<file>.orig``; autotune.yaml beside the entry."""
+    import yaml
+
     written = []
     for f in result.files:
         if not f.changed:
