@@ -685,11 +685,10 @@ def _collect_names(project: Project) -> None:
             parent = facts.parent(call)
             if not isinstance(parent, cst.Assign):
                 continue
-            targets = {facts.code(t.target) for t in parent.targets}
             if _is_optimizer_ctor(qual):
-                project.optimizer_names |= targets
+                project.optimizer_names |= {facts.code(t.target) for t in parent.targets}
             elif is_scheduler_ctor(qual):
-                project.scheduler_names |= targets
+                project.scheduler_names |= {facts.code(t.target) for t in parent.targets}
         for cls in facts.classes.values():
             for base in cls.bases:
                 qual = facts.qualname(base.value)
