@@ -1,13 +1,16 @@
 """The facts about a script and the local modules it imports: training loops, optimizers, calls, positions.
 
 Nothing here imports or runs user code. Each file is parsed once with libcst (for rewriting) and once with
-``ast`` (fast positions, see ``_positions``); one visitor pass records everything the transforms ask about.
+``ast`` (fast positions, see ``_positions``, and the text of each top-level statement); one walk over the libcst
+tree records everything the transforms ask about.
 """
 
 from __future__ import annotations
 
 import ast
 import bisect
+import re
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +21,8 @@ from autotune.errors import UnparseableScript, UsageError
 
 RUNTIME_ALIAS = "_autotune"
 RUNTIME_MODULE = "autotune.runtime"
+
+_UNKNOWN = object()  # not looked up yet (None is an answer)
 
 # torch.optim classes that are not optimizers.
 _NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.", "torch.optim.Optimizer")
@@ -64,45 +69,102 @@ def parse(text: str, display: str) -> tuple[cst.Module, ast.Module]:
 # --- per-file facts ----------------------------------------------------------------------------------------
 
 
-class _Collector(cst.CSTVisitor):
-    """One pass: parents, pre-order spans, calls, loops, functions, classes and import aliases."""
+class _FieldOrder(cst.CSTVisitor):
+    """Records the fields of one node in the order libcst visits them, which is source order."""
 
-    def __init__(self, facts: ModuleFacts) -> None:
-        self.f = facts
-        self.stack: list[cst.CSTNode] = []
-        self.counter = 0
-
-    # the base class's per-field callbacks cost a third of the pass and tell us nothing
-    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
-        pass
-
-    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
-        pass
+    def __init__(self, root: cst.CSTNode) -> None:
+        self.root = root
+        self.fields: list[str] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        f = self.f
-        if self.stack:
-            f._parent[node] = self.stack[-1]
-        f._enter[node] = self.counter
-        self.counter += 1
-        self.stack.append(node)
+        return node is self.root
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        if node is self.root:
+            self.fields.append(attribute)
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(node: cst.CSTNode) -> tuple[str, ...]:
+    """The fields of ``node``'s type that may hold child nodes, in source order (learnt from libcst once per type)."""
+    fields = _FIELDS.get(type(node))
+    if fields is None:
+        recorder = _FieldOrder(node)
+        node.visit(recorder)
+        fields = tuple(recorder.fields)
+        # libcst leaves out a few node fields when they are None (an f-string's format_spec): a type with such a
+        # field may have more fields on another node, so it is learnt again for each of its nodes
+        hints = typing.get_type_hints(type(node))
+        skipped = [n for n in hints if n not in fields and getattr(node, n, "") is None and _holds_nodes(hints[n])]
+        if not skipped:
+            _FIELDS[type(node)] = fields
+    return fields
+
+
+def _holds_nodes(annotation: object) -> bool:
+    """Whether a field with this type annotation can hold a node (or nodes)."""
+    if isinstance(annotation, type):
+        return issubclass(annotation, cst.CSTNode)
+    return any(_holds_nodes(arg) for arg in typing.get_args(annotation))
+
+
+# Layout nodes: no fact is about them, and they are well over half of all nodes.
+_LAYOUT = frozenset(
+    {cst.SimpleWhitespace, cst.ParenthesizedWhitespace, cst.Newline, cst.TrailingWhitespace, cst.EmptyLine, cst.Comment,
+     cst.Comma, cst.Dot}
+)  # fmt: skip
+
+
+def _index(facts: ModuleFacts) -> None:
+    """One pre-order walk over every node but layout: parents, pre-order spans and the nodes of each type.
+
+    libcst's visitor machinery costs several times this plain walk over the same fields in the same order.
+    """
+    parent, enter, exit_, by_type = facts._parent, facts._enter, facts._exit, facts._by_type
+    counter = 0
+    layout, default = _LAYOUT, cst.MaybeSentinel.DEFAULT
+
+    def walk(node: cst.CSTNode, up: cst.CSTNode | None) -> None:
+        nonlocal counter
+        if up is not None:
+            parent[node] = up
+        enter[node] = counter
+        counter += 1
         kind = type(node)
-        if kind is cst.Name:
-            f.names.add(node.value)
-        elif kind is cst.SimpleString:
-            f.strings.append(node)
-        elif kind is cst.Assign:
-            f.assigns.append(node)
-        elif kind is cst.Call:
-            f.calls.append(node)
-            f._call_enter.append(self.counter - 1)
-        elif kind is cst.For or kind is cst.While:
-            f.loops.append(node)
-        elif kind is cst.FunctionDef:
-            f.functions.append(node)
-        elif kind is cst.ClassDef:
-            f.classes[node.name.value] = node
-        elif kind is cst.Import:
+        bucket = by_type.get(kind)
+        if bucket is None:
+            bucket = by_type[kind] = []
+        bucket.append(node)
+        for name in _FIELDS.get(kind) or _fields(node):
+            # a child field holds a node, a sequence of nodes, None or MaybeSentinel (no isinstance: nodes are ABCs,
+            # whose checks are slow)
+            value = getattr(node, name)
+            if type(value) is tuple or type(value) is list:
+                for child in value:
+                    if type(child) not in layout:
+                        walk(child, node)
+            elif value is not None and value is not default and type(value) not in layout:
+                walk(value, node)
+        exit_[node] = counter
+
+    walk(facts.module, None)
+
+
+def _collect(facts: ModuleFacts) -> None:
+    """The facts the transforms ask about, from the nodes of each type."""
+    f = facts
+    f.calls = f.nodes(cst.Call)
+    f._call_enter = [f._enter[c] for c in f.calls]
+    f.loops = f.nodes(cst.For, cst.While)
+    f.functions = f.nodes(cst.FunctionDef)
+    f.classes = {c.name.value: c for c in f.nodes(cst.ClassDef)}
+    f.names = {n.value for n in f.nodes(cst.Name)}
+    f.strings = f.nodes(cst.SimpleString)
+    f.assigns = f.nodes(cst.Assign)
+    for node in f.nodes(cst.Import, cst.ImportFrom):
+        if isinstance(node, cst.Import):
             for alias in node.names:
                 dotted = _dotted(alias.name)
                 if alias.asname is not None:
@@ -110,24 +172,19 @@ class _Collector(cst.CSTVisitor):
                 else:
                     f.imports[dotted.split(".")[0]] = dotted.split(".")[0]
                 f.imported_modules.append((dotted, 0))
-        elif kind is cst.ImportFrom:
-            base = _dotted(node.module) if node.module is not None else ""
-            level = len(node.relative)
-            prefix = "." * level + base
-            f.imported_modules.append((base, level))
-            if not isinstance(node.names, cst.ImportStar):
-                for alias in node.names:
-                    name = _dotted(alias.name)
-                    local = _name_of(alias.asname.name) if alias.asname is not None else name
-                    full = f"{prefix}.{name}" if base else f"{prefix}{name}"
-                    f.imports[local] = f.resolve_relative(full)
-                    if level or base:
-                        f.imported_modules.append((f"{base}.{name}" if base else name, level))
-        return True
-
-    def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.f._exit[original_node] = self.counter
-        self.stack.pop()
+            continue
+        base = _dotted(node.module) if node.module is not None else ""
+        level = len(node.relative)
+        prefix = "." * level + base
+        f.imported_modules.append((base, level))
+        if not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                name = _dotted(alias.name)
+                local = _name_of(alias.asname.name) if alias.asname is not None else name
+                full = f"{prefix}.{name}" if base else f"{prefix}{name}"
+                f.imports[local] = f.resolve_relative(full)
+                if level or base:
+                    f.imported_modules.append((f"{base}.{name}" if base else name, level))
 
 
 def _dotted(node: cst.BaseExpression) -> str:
@@ -166,19 +223,41 @@ class ModuleFacts:
     _parent: dict[cst.CSTNode, cst.CSTNode] = field(default_factory=dict, repr=False)
     _enter: dict[cst.CSTNode, int] = field(default_factory=dict, repr=False)
     _exit: dict[cst.CSTNode, int] = field(default_factory=dict, repr=False)
-    _pos: dict[cst.CSTNode, tuple[int, int]] | None = field(default=None, repr=False)
+    _by_type: dict[type, list[cst.CSTNode]] = field(default_factory=dict, repr=False)  # each in pre-order
+    _pos: dict[cst.CSTNode, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _located: set[cst.CSTNode] = field(default_factory=set, repr=False)  # top-level statements in _pos
     _plain_functions: dict[str, cst.FunctionDef] | None = field(default=None, repr=False)
     _methods: dict[tuple[cst.ClassDef, str], cst.FunctionDef] | None = field(default=None, repr=False)
+    _statements: dict[cst.CSTNode, list[ast.stmt]] | None = field(default=None, repr=False)
+    _qualnames: dict[cst.CSTNode, str | None] = field(default_factory=dict, repr=False)
+    _codes: dict[cst.CSTNode, str] = field(default_factory=dict, repr=False)
+    _texts: dict[cst.CSTNode, str] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: Path, display: str, modname: str, source: str | None = None) -> ModuleFacts:
         text = source if source is not None else read_source(path, display)
         module, tree = parse(text, display)
         facts = cls(path, display, modname, path.name == "__init__.py", text, module, tree)
-        module.visit(_Collector(facts))
+        _index(facts)
+        _collect(facts)
         return facts
 
     # navigation
+
+    def nodes(self, *kinds: type) -> list:
+        """Every node of the given types (exact types, not subclasses, not layout), in source order; a shared list."""
+        if len(kinds) == 1:
+            return self._by_type.get(kinds[0], [])
+        found = [n for kind in kinds for n in self._by_type.get(kind, ())]
+        return sorted(found, key=self._enter.__getitem__)
+
+    def nodes_in(self, owner: cst.CSTNode, kind: type) -> list:
+        """The nodes of type ``kind`` inside ``owner``: a slice of the source-ordered list, found by bisection."""
+        found = self.nodes(kind)
+        key = self._enter.__getitem__
+        lo = bisect.bisect_left(found, self._enter[owner], key=key)
+        hi = bisect.bisect_left(found, self._exit[owner], key=key)
+        return found[lo:hi]
 
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
         return self._parent.get(node)
@@ -209,14 +288,21 @@ class ModuleFacts:
         """The block (IndentedBlock or Module) whose body lists ``stmt``."""
         return self._parent[stmt]
 
+    # type() rather than isinstance(): libcst's node classes are ABCs, whose isinstance() is slow, and these two
+    # are asked about most nodes the transforms look at
+
     def function_of(self, node: cst.CSTNode) -> cst.FunctionDef | None:
-        return next((a for a in self.ancestors(node) if isinstance(a, cst.FunctionDef)), None)
+        return next((a for a in self.ancestors(node) if type(a) is cst.FunctionDef), None)
 
     def class_of(self, node: cst.CSTNode) -> cst.ClassDef | None:
-        return next((a for a in self.ancestors(node) if isinstance(a, cst.ClassDef)), None)
+        return next((a for a in self.ancestors(node) if type(a) is cst.ClassDef), None)
 
     def code(self, node: cst.CSTNode) -> str:
-        return self.module.code_for_node(node)
+        # transforms compare the spellings of the same nodes again and again: remembered per node
+        found = self._codes.get(node)
+        if found is None:
+            found = self._codes[node] = self.module.code_for_node(node)
+        return found
 
     # names
 
@@ -233,6 +319,13 @@ class ModuleFacts:
 
     def qualname(self, expr: cst.BaseExpression) -> str | None:
         """``o.AdamW`` with ``import torch.optim as o`` -> ``torch.optim.AdamW``; None for non-dotted expressions."""
+        # every transform asks about every call: remembered per node
+        found = self._qualnames.get(expr, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._qualnames[expr] = self._qualname(expr)
+        return found
+
+    def _qualname(self, expr: cst.BaseExpression) -> str | None:
         try:
             dotted = _dotted(expr)
         except TypeError:
@@ -281,14 +374,75 @@ class ModuleFacts:
 
     def position(self, node: cst.CSTNode) -> tuple[int, int]:
         """(line, column), both 1-based, of ``node`` or of the nearest enclosing node with a known position."""
-        if self._pos is None:
-            self._pos = _positions(self)
-        current: cst.CSTNode | None = node
-        while current is not None:
-            if current in self._pos:
-                return self._pos[current]
-            current = self._parent.get(current)
-        return (1, 1)
+        chain = [node, *self.ancestors(node)]
+        top = chain[-2] if len(chain) > 1 and chain[-1] is self.module else None
+        if top is not None and top not in self._located:
+            self._locate(top)
+        return next((self._pos[n] for n in chain if n in self._pos), (1, 1))
+
+    def _locate(self, top: cst.CSTNode) -> None:
+        """Positions for the nodes of one top-level statement: a report needs a few, and a long file has many."""
+        roots = self.ast_statements().get(top)
+        found = _positions(self, top, roots) if roots is not None else None
+        if found is None:  # the trees disagree: libcst's own positions, for the whole file
+            self._pos = _libcst_positions(self)
+            self._located = set(self.module.body)
+        else:
+            self._pos.update(found)
+            self._located.add(top)
+
+    def ast_statements(self) -> dict[cst.CSTNode, list[ast.stmt]]:
+        """The ast statements each top-level statement spans (``a = 1; b = 2`` is one line and two statements).
+
+        Empty where the two trees do not line up.
+        """
+        if self._statements is None:
+            self._statements = _top_level(self)
+        return self._statements
+
+    def statement_texts(self) -> dict[cst.CSTNode, str]:
+        """The source text of each top-level statement, with the blank lines and comments that lead it.
+
+        Empty where the lines ast gives and the statements libcst gives do not line up.
+        """
+        if self._texts is None:
+            self._texts = _statement_texts(self)
+        return self._texts
+
+
+def _top_level(facts: ModuleFacts) -> dict[cst.CSTNode, list[ast.stmt]]:
+    """Top-level libcst statement -> the ast statements it spans, both in source order; empty if the counts differ."""
+    groups: list[list[ast.stmt]] = []
+    for node in facts.tree.body:
+        # statements that share a line are one libcst SimpleStatementLine
+        if groups and node.lineno == groups[-1][-1].end_lineno:
+            groups[-1].append(node)
+        else:
+            groups.append([node])
+    if len(groups) != len(facts.module.body):
+        return {}
+    return dict(zip(facts.module.body, groups))
+
+
+# A line break as Python's tokenizer sees one (str.splitlines also splits at form feeds and other characters).
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def _statement_texts(facts: ModuleFacts) -> dict[cst.CSTNode, str]:
+    """Each top-level statement starts ``len(leading_lines)`` lines above its first line in the ast (its first
+    decorator's); it ends where the next one starts, or where the module's footer does."""
+    module, groups = facts.module, facts.ast_statements()
+    if not groups:
+        return {}
+    lines = _LINE.findall(facts.source)
+    starts = []
+    for stmt, (first, *_) in groups.items():
+        line = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
+        starts.append(line - len(stmt.leading_lines))
+    starts.append(len(lines) - len(module.footer) + 1)
+    if starts[0] != len(module.header) + 1 or any(a > b for a, b in zip(starts, starts[1:])):
+        return {}
+    return {stmt: "".join(lines[a - 1 : b - 1]) for stmt, a, b in zip(module.body, starts, starts[1:])}
 
 
 # libcst node types whose pre-order sequence matches the ast nodes of these types sorted by position.
@@ -306,30 +460,27 @@ _AST_TWINS: dict[type, tuple[type, ...]] = {
 }
 
 
-def _positions(facts: ModuleFacts) -> dict[cst.CSTNode, tuple[int, int]]:
-    """Positions of the libcst nodes that sites point at, taken from the ast of the same text.
+def _positions(facts: ModuleFacts, top: cst.CSTNode, roots: list[ast.stmt]) -> dict[cst.CSTNode, tuple[int, int]] | None:
+    """Positions of the libcst nodes that sites point at inside top-level statement ``top``, taken from the ast
+    statements ``roots`` it spans.
 
     libcst's PositionProvider re-generates the whole file and costs about 1 s per 5,000 lines; ast already
     knows every position. Both trees list these node types in the same source order, so the k-th libcst
-    node of a type is the k-th ast node of its twin type. If the counts ever disagree, fall back to libcst.
+    node of a type is the k-th ast node of its twin type. None if the counts disagree.
     """
     by_type: dict[type, list[ast.AST]] = {t: [] for t in _AST_TWINS}
     twin_of = {a: c for c, twins in _AST_TWINS.items() for a in twins}
-    for node in ast.walk(facts.tree):
-        ctype = twin_of.get(type(node))
-        if ctype is not None:
-            by_type[ctype].append(node)
+    for root in roots:
+        for node in ast.walk(root):
+            ctype = twin_of.get(type(node))
+            if ctype is not None:
+                by_type[ctype].append(node)
     lines = facts.source.splitlines()
-    cst_by_type: dict[type, list[cst.CSTNode]] = {t: [] for t in _AST_TWINS}
-    for node in facts._enter:  # filled by the collector in pre-order
-        bucket = cst_by_type.get(type(node))
-        if bucket is not None:
-            bucket.append(node)
     out: dict[cst.CSTNode, tuple[int, int]] = {}
     for ctype, anodes in by_type.items():
-        cnodes = cst_by_type[ctype]
+        cnodes = facts.nodes_in(top, ctype)
         if len(cnodes) != len(anodes):
-            return _libcst_positions(facts)
+            return None
         anodes.sort(key=lambda a: (a.lineno, a.col_offset, -(a.end_lineno or 0), -(a.end_col_offset or 0)))
         for c, a in zip(cnodes, anodes):
             out[c] = (a.lineno, _char_col(lines, a.lineno, a.col_offset) + 1)
@@ -407,6 +558,7 @@ class Project:
     scheduler_names: set[str] = field(default_factory=set)
     loops: list[TrainingLoop] = field(default_factory=list)
     module_classes: set[str] = field(default_factory=set)  # qualified names of local nn.Module subclasses
+    _targets: dict[cst.Call, tuple[ModuleFacts, cst.FunctionDef] | None] = field(default_factory=dict, repr=False)
 
     def by_modname(self, name: str) -> ModuleFacts | None:
         return next((m for m in self.modules if m.modname == name), None)
@@ -455,6 +607,13 @@ class Project:
 
     def local_target(self, facts: ModuleFacts, call: cst.Call) -> tuple[ModuleFacts, cst.FunctionDef] | None:
         """The local function or method a call runs, when it can be resolved without running anything."""
+        # asked about every call by the loop search and several transforms: remembered per call
+        found = self._targets.get(call, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._targets[call] = self._local_target(facts, call)
+        return found
+
+    def _local_target(self, facts: ModuleFacts, call: cst.Call) -> tuple[ModuleFacts, cst.FunctionDef] | None:
         func = call.func
         if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
             cls = facts.class_of(call)
@@ -526,11 +685,10 @@ def _collect_names(project: Project) -> None:
             parent = facts.parent(call)
             if not isinstance(parent, cst.Assign):
                 continue
-            targets = {facts.code(t.target) for t in parent.targets}
             if _is_optimizer_ctor(qual):
-                project.optimizer_names |= targets
+                project.optimizer_names |= {facts.code(t.target) for t in parent.targets}
             elif is_scheduler_ctor(qual):
-                project.scheduler_names |= targets
+                project.scheduler_names |= {facts.code(t.target) for t in parent.targets}
         for cls in facts.classes.values():
             for base in cls.bases:
                 qual = facts.qualname(base.value)

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from autotune import __version__
 from autotune.analysis import Project, load_project
@@ -103,6 +102,8 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[bold]{args.path}[/]: {len(project.modules)} file(s), training loop(s) at {where}")
     else:
         console.print(f"[bold]{args.path}[/]: {LOOKED_FOR}")
+    from rich.table import Table  # only here: start-up is part of every command's time
+
     table = Table(show_lines=False)
     for col in ("transform", "location", "status", "why"):
         table.add_column(col)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import libcst as cst
-import yaml
 
 from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, Project, TrainingLoop, load_project
 from autotune.errors import UsageError
@@ -107,7 +106,7 @@ def run(
             _step_hooks(project, facts, edits)
     files = []
     for facts, edits in per_file:
-        new_text = _apply(facts, edits).code if edits else facts.source
+        new_text = _code(facts, _apply(facts, edits)) if edits else facts.source
         if new_text != facts.source:
             try:
                 compile(new_text, facts.display, "exec")
@@ -279,6 +278,21 @@ def _apply(facts: ModuleFacts, edits: Edits) -> cst.Module:
     return module.with_changes(body=body)
 
 
+def _code(facts: ModuleFacts, module: cst.Module) -> str:
+    """The text of ``module``, copying the original text of each top-level statement the edits left alone.
+
+    Generating code is the slowest step of a rewrite, and most statements of a long file are untouched.
+    """
+    texts = facts.statement_texts()
+    if not texts or not module.has_trailing_newline:  # without a final newline, libcst drops the last one it writes
+        return module.code
+    parts = [module.code_for_node(line) for line in module.header]
+    for s in module.body:
+        parts.append(texts[s] if s in texts else module.code_for_node(s))
+    parts.extend(module.code_for_node(line) for line in module.footer)
+    return "".join(parts)
+
+
 # --- outputs -----------------------------------------------------------------------------------------------
 
 
@@ -312,6 +326,8 @@ def write_files(result: PatchResult, out_dir: Path) -> list[Path]:
 
 def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> list[Path]:
     """Write the patched files, the unchanged local modules beside them, autotune.yaml and patch.diff."""
+    import yaml  # here, not at the top: scan and patch --diff write no config, and start-up counts
+
     root = result.project.root
     out_dir = out_dir.resolve()
     if out_dir == root:
@@ -341,6 +357,8 @@ def _backup_path(path: Path) -> Path:
 
 def write_in_place(result: PatchResult) -> list[Path]:
     """Overwrite the user's changed files, each after keeping ``<file>.orig``; autotune.yaml beside the entry."""
+    import yaml
+
     written = []
     for f in result.files:
         if not f.changed:

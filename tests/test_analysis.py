@@ -7,7 +7,7 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from autotune.analysis import ModuleFacts, _libcst_positions, _positions, load_project
+from autotune.analysis import _LAYOUT, ModuleFacts, _libcst_positions, _positions, load_project
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "fixtures/scripts"
@@ -19,10 +19,22 @@ def _loop_lines(path: Path) -> list[tuple[str, int]]:
     return [(Path(l.module.display).name, l.module.position(l.node)[0]) for l in project.loops]
 
 
+def _ast_positions(facts: ModuleFacts) -> dict:
+    """Every position ast gives, statement by statement (None where ast and libcst do not line up)."""
+    out = {}
+    for top, roots in facts.ast_statements().items():
+        found = _positions(facts, top, roots)
+        assert found is not None, f"{facts.display}: ast and libcst disagree at line {roots[0].lineno}"
+        out.update(found)
+    return out
+
+
 @pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(SCRIPTS)))
 def test_ast_positions_match_libcst(path: Path):
     for facts in load_project(path).modules:
-        assert _positions(facts) == _libcst_positions(facts)
+        expected = _libcst_positions(facts)
+        assert _ast_positions(facts) == expected
+        assert {n: facts.position(n) for n in expected} == expected
 
 
 @pytest.mark.parametrize("path", [p for p in ALL if p.name != "no_loop.py"], ids=lambda p: str(p.relative_to(SCRIPTS)))
@@ -96,4 +108,62 @@ def test_positions_count_characters_not_bytes(tmp_path: Path):
     path = tmp_path / "u.py"
     path.write_text('x = "ünïcödé"; y = len(x)\n')
     facts = ModuleFacts.load(path, "u.py", "u")
-    assert _positions(facts) == _libcst_positions(facts)
+    assert _ast_positions(facts) == _libcst_positions(facts)
+
+
+# Layouts where libcst's ownership of blank lines and comments is easy to get wrong.
+LAYOUTS = {
+    "decorators": "# header\n\nimport os\n\n\n@dec\n# between\n@dec2(\n    1,\n)\n\nasync def f():\n    pass\n"
+    "    # indented trailing\n\n  # odd indent\n# dedented\n\nclass A:  # c\n    x = 1\n",
+    "semicolons": "a = 1; b = 2\nx = (1,\n 2); y = 3\nif a: b = 1; c = 2\nelse: pass\n",
+    "crlf": "import os\r\n\r\n# c\r\ndef f():\r\n    return 1\r\n\r\nx = f()\r\n",
+    "cr": "import os\r\rdef f():\r    return 1\rx = 2\r",
+    "form_feed": "def f():\n    pass\n\x0c\ndef g():\n    s = '\x0c\u2028'\n    return s\n",
+    "continuation": "x = 1 + \\\n    2\ny = [\n    1,  # one\n]\n",
+    "footer": '"""Doc."""\n\nimport os\n\n# trailing comment\n\n',
+    "no_final_newline": "import os\nx = 1",
+    "main_guard": 'def main():\n    pass\n\n\nif __name__ == "__main__":\n    main()\nelse:\n    pass\n    # end\n',
+    "tabs": "if True:\n\tx = 1\n\t# tab comment\n# top\ny = 2\n",
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_statement_texts_are_what_libcst_writes(name: str, tmp_path: Path):
+    path = tmp_path / f"{name}.py"
+    path.write_bytes(LAYOUTS[name].encode())
+    facts = ModuleFacts.load(path, path.name, name, LAYOUTS[name])
+    module, texts = facts.module, facts.statement_texts()
+    assert list(texts) == list(module.body)
+    # without a final newline libcst writes the last statement differently (patch then generates all the code)
+    compared = module.body if module.has_trailing_newline else module.body[:-1]
+    assert all(texts[s] == module.code_for_node(s) for s in compared)
+    around = [module.code_for_node(line) for line in (*module.header, *module.footer)]
+    assert "".join([*around[: len(module.header)], *texts.values(), *around[len(module.header) :]]) == facts.source
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(SCRIPTS)))
+def test_statement_texts_cover_every_fixture_statement(path: Path):
+    for facts in load_project(path).modules:
+        texts = facts.statement_texts()
+        assert list(texts) == list(facts.module.body)
+        assert all(texts[s] == facts.module.code_for_node(s) for s in facts.module.body)
+
+
+class _PreOrder(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.nodes: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.nodes.append(node)
+        return True
+
+
+@pytest.mark.parametrize("path", [*ALL, "f-strings"], ids=lambda p: p if isinstance(p, str) else str(p.relative_to(SCRIPTS)))
+def test_index_walks_the_nodes_libcst_visits_in_its_order(path, tmp_path: Path):
+    if path == "f-strings":  # libcst visits a format spec only when there is one
+        path = tmp_path / "f.py"
+        path.write_text('a = f"{x}"\nb = f"{x:>{width(y)}}"\nc = f"{x!r:{z}}" f"{w}"\n')
+    for facts in load_project(path).modules:
+        visitor = _PreOrder()
+        facts.module.visit(visitor)
+        assert list(facts._enter) == [n for n in visitor.nodes if type(n) not in _LAYOUT]

@@ -3,8 +3,6 @@ are built from, which classes a name refers to across files, and where the repea
 
 from __future__ import annotations
 
-import bisect
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -27,27 +25,9 @@ MODULE_DICT = "torch.nn.ModuleDict"
 # Module methods that return the module itself: ``GPT(cfg).to(device)`` is still a GPT.
 MODULE_CHAIN = {"to", "cuda", "cpu", "train", "eval", "float", "half", "double", "bfloat16", "requires_grad_"}
 
-_NODES: weakref.WeakKeyDictionary[ModuleFacts, dict[type, list[cst.CSTNode]]] = weakref.WeakKeyDictionary()
-
-
-def nodes(facts: ModuleFacts, kind: type) -> list:
-    """Every node of type ``kind`` in the file, in source order."""
-    table = _NODES.get(facts)
-    if table is None:
-        table = {}
-        for node in sorted(facts._enter, key=facts._enter.__getitem__):
-            table.setdefault(type(node), []).append(node)
-        _NODES[facts] = table
-    return table.get(kind, [])
-
-
 def nodes_in(facts: ModuleFacts, owner: cst.CSTNode, kind: type) -> list:
-    """The nodes of type ``kind`` inside ``owner``: a slice of the source-ordered list, found by bisection."""
-    found = nodes(facts, kind)
-    key = facts._enter.__getitem__
-    lo = bisect.bisect_left(found, facts._enter[owner], key=key)
-    hi = bisect.bisect_left(found, facts._exit[owner], key=key)
-    return found[lo:hi]
+    """The nodes of type ``kind`` inside ``owner``, in source order."""
+    return facts.nodes_in(owner, kind)
 
 
 

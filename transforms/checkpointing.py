@@ -91,8 +91,8 @@ class Checkpointing(Transform):
 
     def _container(self, facts: ModuleFacts, node: cst.BaseExpression) -> tuple[ClassRef, Stack] | None:
         chain = attr_chain(node)
-        cls = facts.class_of(node)
-        if chain is None or cls is None:
+        cls = facts.class_of(node) if chain is not None else None
+        if cls is None:
             return None
         ref = ClassRef(facts, cls)
         stack = attr_stack(ref, chain)

@@ -75,6 +75,10 @@ class Compile(Transform):
         ),
     )
 
+    def __init__(self, project, mode) -> None:
+        super().__init__(project, mode)
+        self._callees: dict[cst.Call, cst.CSTNode | None] = {}
+
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         present = self._present
         for node, reason in present:
@@ -249,6 +253,12 @@ class Compile(Transform):
 
     def _callee(self, facts: ModuleFacts, call: cst.Call) -> cst.CSTNode | None:
         """The local function or class a call runs (a class: its ClassDef)."""
+        # asked about every call, twice for calls in functions: remembered per call
+        if call not in self._callees:
+            self._callees[call] = self._resolve_callee(facts, call)
+        return self._callees[call]
+
+    def _resolve_callee(self, facts: ModuleFacts, call: cst.Call) -> cst.CSTNode | None:
         target = self.project.local_target(facts, call)
         if target is not None:
             return target[1]
