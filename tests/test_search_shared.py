@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from procs import wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "search" / "tiny.py"
@@ -169,17 +170,6 @@ def printed_trials(text: str) -> list[int]:
     return [int(m) for m in re.findall(r"^  #\s*(\d+) ", text, flags=re.M)]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def snapshot(storage: str, name: str) -> dict:
     return {
         t.number: (t.params, t.values, t.user_attrs.get("role"), t.user_attrs["result"]["step_times"])
@@ -291,10 +281,7 @@ def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, post
                 p.wait()
 
     pid = victim.user_attrs["trial_pid"]
-    deadline = time.monotonic() + 15
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not alive(pid)  # the trial ended itself with its worker
+    assert wait_gone([pid], 15) == []  # the trial ended itself with its worker
     after = snapshot(storage, "kill")
     assert {n: after[n] for n in before} == before  # nothing either worker finished was lost or changed
     ts = trials(storage, "kill")
