@@ -728,6 +728,17 @@ def _start_trial() -> _Trial | None:
 WATCH_S = 0.5
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts: it cannot be signalled, but it is there)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _watch_search(pid: int) -> None:
     """End this trial, and whatever it started, as soon as the search that launched it is gone (even SIGKILLed),
     or the launcher between them is.
@@ -753,13 +764,7 @@ def _watch_search(pid: int) -> None:
         if fd is not None:
             return not select.select([fd], [], [], WATCH_S)[0]  # readable once the process has ended
         time.sleep(WATCH_S)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return pid_alive(pid)
 
     def watch() -> None:
         while os.getppid() == parent and search_alive():

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.runtime import pid_alive
 from autotune.search.machine import host_name
 from autotune.search.space import SearchSpace
 from autotune.search.trial import Outcome, TrialResult
@@ -198,16 +199,6 @@ def _process_space() -> str:
     return "/".join(parts)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class StudyStore:
     """One Optuna study holding every trial of a search, shared by every worker that runs the same search."""
 
@@ -340,7 +331,7 @@ class StudyStore:
             here = t.user_attrs.get(ATTR_PROCESSES, self._processes) == self._processes
             if whost == self.host and wpid.isdigit() and here:
                 # (the trial process itself is gone too: the runtime ends a trial whose search died)
-                dead = not _alive(int(wpid))
+                dead = not pid_alive(int(wpid))
             else:
                 seen = self._seen_running.setdefault(t.number, now)
                 limit = float(t.user_attrs.get(ATTR_TIMEOUT, UNSTARTED_S))
