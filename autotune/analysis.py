@@ -232,6 +232,7 @@ class ModuleFacts:
     _qualnames: dict[cst.CSTNode, str | None] = field(default_factory=dict, repr=False)
     _codes: dict[cst.CSTNode, str] = field(default_factory=dict, repr=False)
     _texts: dict[cst.CSTNode, str] | None = field(default=None, repr=False)
+    _lines: list[str] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: Path, display: str, modname: str, source: str | None = None) -> ModuleFacts:
@@ -400,6 +401,12 @@ class ModuleFacts:
             self._statements = _top_level(self)
         return self._statements
 
+    def lines(self) -> list[str]:
+        """The source's lines, without their line breaks (see ``source_lines``)."""
+        if self._lines is None:
+            self._lines = source_lines(self.source)
+        return self._lines
+
     def statement_texts(self) -> dict[cst.CSTNode, str]:
         """The source text of each top-level statement, with the blank lines and comments that lead it.
 
@@ -428,13 +435,20 @@ def _top_level(facts: ModuleFacts) -> dict[cst.CSTNode, list[ast.stmt]]:
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
+def source_lines(text: str, keepends: bool = False) -> list[str]:
+    """The lines of a source text as Python, ``ast``, ``diff`` and ``patch`` count them: ``str.splitlines`` also
+    breaks at form feeds, ``\\x1c``-``\\x1e``, ``\\x85`` and U+2028/9, which may sit in a comment or a string."""
+    lines = _LINE.findall(text)
+    return lines if keepends else [line.rstrip("\r\n") for line in lines]
+
+
 def _statement_texts(facts: ModuleFacts) -> dict[cst.CSTNode, str]:
     """Each top-level statement starts ``len(leading_lines)`` lines above its first line in the ast (its first
     decorator's); it ends where the next one starts, or where the module's footer does."""
     module, groups = facts.module, facts.ast_statements()
     if not groups:
         return {}
-    lines = _LINE.findall(facts.source)
+    lines = source_lines(facts.source, keepends=True)
     starts = []
     for stmt, (first, *_) in groups.items():
         line = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
@@ -475,7 +489,7 @@ def _positions(facts: ModuleFacts, top: cst.CSTNode, roots: list[ast.stmt]) -> d
             ctype = twin_of.get(type(node))
             if ctype is not None:
                 by_type[ctype].append(node)
-    lines = facts.source.splitlines()
+    lines = facts.lines()
     out: dict[cst.CSTNode, tuple[int, int]] = {}
     for ctype, anodes in by_type.items():
         cnodes = facts.nodes_in(top, ctype)

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from autotune import __version__
-from autotune.analysis import Project, load_project
+from autotune.analysis import Project, load_project, source_lines
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.patch import DIFF_NAME, PatchResult, run, select, write_in_place, write_outputs
 from autotune.transform import Site, Status, all_knobs, all_transforms
@@ -119,7 +119,7 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
 
 def _print_diff(result: PatchResult, console: Console) -> None:
     styles = {"+": "green", "-": "red", "@": "cyan"}
-    for line in result.diff().splitlines():
+    for line in source_lines(result.diff()):
         style = "bold" if line.startswith(("+++", "---")) else styles.get(line[:1])
         console.print(line, style=style, markup=False, soft_wrap=True)
 

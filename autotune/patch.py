@@ -11,7 +11,7 @@ from typing import Any
 
 import libcst as cst
 
-from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, Project, TrainingLoop, load_project
+from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, Project, TrainingLoop, load_project, source_lines
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
@@ -52,8 +52,8 @@ class PatchResult:
             if f.changed:
                 chunks.extend(
                     difflib.unified_diff(
-                        f.facts.source.splitlines(keepends=True),
-                        f.new_text.splitlines(keepends=True),
+                        source_lines(f.facts.source, keepends=True),
+                        source_lines(f.new_text, keepends=True),
                         f"{old_prefix}{f.rel.as_posix()}",
                         f"{new_prefix}{f.rel.as_posix()}",
                     )

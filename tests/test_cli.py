@@ -161,3 +161,35 @@ def test_console_script_and_python_m(tmp_path):
         assert proc.returncode == 0 and "no training loop found" in proc.stdout
         proc = subprocess.run([*cmd, "scan", str(tmp_path / "nope.py")], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# A form feed and a U+2028 in comments: str.splitlines() breaks lines at both, Python and patch do not.
+ODD_BREAKS = (
+    "import torch\n"
+    "# page \x0c break, and a line separator \u2028 in a comment\n"
+    "model = torch.nn.Linear(2, 2)\n"
+    "opt = torch.optim.AdamW(model.parameters())\n"
+    "for i in range(3):\n"
+    "    loss = model(torch.ones(2)).sum()\n"
+    '    t = "\u00e9\u00e9"; loss.backward()\n'
+    "    opt.step()\n"
+    "    opt.zero_grad()\n"
+)
+
+
+def test_columns_and_diff_count_lines_as_python_does(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(ODD_BREAKS, encoding="utf-8")
+    assert main(["scan", str(script), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    backward = [s for s in doc["sites"] if s["line"] == 7]
+    assert backward and all(s["col"] == 15 for s in backward)  # characters, not UTF-8 bytes: "    t = "éé"; " is 14
+    out = tmp_path / "out"
+    assert main(["patch", str(script), "--out", str(out)]) == 0
+    # the diff applies to the original with git apply (a plain patch tool), giving the patched file
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(ODD_BREAKS, encoding="utf-8")
+    proc = subprocess.run(["git", "apply", "-p1", str(out / "patch.diff")], cwd=work, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "train.py").read_text(encoding="utf-8") == (out / "train.py").read_text(encoding="utf-8")
