@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import bisect
+import contextlib
+import gc
 import re
 import typing
 from collections.abc import Iterator
@@ -29,6 +31,24 @@ _NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.", "torch
 
 
 # --- loading -----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """The cycle collector off for a while, as it was after.
+
+    A parse makes a hundred thousand nodes and the maps that index them, and with the collector on its passes
+    walk every one of them again and again, though trees hold no cycles; cycles made meanwhile are collected
+    after, as usual.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
 
 
 def read_source(path: Path, display: str | None = None) -> str:
@@ -663,7 +683,11 @@ def _modname(root: Path, path: Path) -> str:
 
 def load_project(entry: Path, display_root: Path | None = None) -> Project:
     """Parse ``entry`` and every local module it imports, transitively (files under the entry's directory)."""
-    entry = Path(entry)
+    with no_gc():
+        return _load_project(Path(entry))
+
+
+def _load_project(entry: Path) -> Project:
     display = str(entry)
     read_source(entry, display)  # one clear error for a missing, binary, empty or undecodable entry
     root = entry.resolve().parent

@@ -11,7 +11,16 @@ from typing import Any
 
 import libcst as cst
 
-from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, Project, TrainingLoop, load_project, source_lines
+from autotune.analysis import (
+    RUNTIME_ALIAS,
+    RUNTIME_MODULE,
+    ModuleFacts,
+    Project,
+    TrainingLoop,
+    load_project,
+    no_gc,
+    source_lines,
+)
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
@@ -81,6 +90,11 @@ def run(
 
     ``hooks=False`` leaves out the trial step hook, so a transform's fixture shows only its own edits.
     """
+    with no_gc():
+        return _run(project, transforms, mode, hooks)
+
+
+def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode, hooks: bool) -> PatchResult:
     transforms = transforms if transforms is not None else list(all_transforms())
     if not mode.gated:
         # baking writes only what differs from the original behaviour
@@ -106,10 +120,10 @@ def run(
             _step_hooks(project, facts, edits)
     files = []
     for facts, edits in per_file:
-        new_text = _code(facts, _apply(facts, edits)) if edits else facts.source
+        new_text, check = _code(facts, _apply(facts, edits)) if edits else (facts.source, facts.source)
         if new_text != facts.source:
             try:
-                compile(new_text, facts.display, "exec")
+                compile(check, facts.display, "exec")
             except SyntaxError as exc:  # a transform bug, never the user's: say which file and line
                 raise RuntimeError(f"autotune produced invalid code for {facts.display}:{exc.lineno}: {exc.msg}") from exc
         files.append(FileChange(facts, facts.path.relative_to(project.root), new_text))
@@ -278,19 +292,40 @@ def _apply(facts: ModuleFacts, edits: Edits) -> cst.Module:
     return module.with_changes(body=body)
 
 
-def _code(facts: ModuleFacts, module: cst.Module) -> str:
-    """The text of ``module``, copying the original text of each top-level statement the edits left alone.
+def _code(facts: ModuleFacts, module: cst.Module) -> tuple[str, str]:
+    """The text of ``module``, copying the original text of each top-level statement the edits left alone, and
+    the text to compile() as a check of it.
 
-    Generating code is the slowest step of a rewrite, and most statements of a long file are untouched.
+    Generating code is the slowest step of a rewrite, and most statements of a long file are untouched. The
+    check text is the new text with each copied statement past the module's head (docstring and ``__future__``
+    imports) blanked to a ``pass`` on its last line: the user's own statements compiled when ast parsed them,
+    whether a top-level statement compiles does not depend on the others, and the line numbers stay those of the
+    new text for the error message.
     """
     texts = facts.statement_texts()
     if not texts or not module.has_trailing_newline:  # without a final newline, libcst drops the last one it writes
-        return module.code
+        code = module.code
+        return code, code
     parts = [module.code_for_node(line) for line in module.header]
+    check = list(parts)
+    original = facts.module.body
+    head = set(original[: _header_end(list(original))])
     for s in module.body:
-        parts.append(texts[s] if s in texts else module.code_for_node(s))
-    parts.extend(module.code_for_node(line) for line in module.footer)
-    return "".join(parts)
+        if s in texts:
+            text = texts[s]
+            parts.append(text)
+            check.append(text if s in head else _blank(text))
+        else:
+            text = module.code_for_node(s)
+            parts.append(text)
+            check.append(text)
+    tail = [module.code_for_node(line) for line in module.footer]
+    return "".join(parts + tail), "".join(check + tail)
+
+
+def _blank(text: str) -> str:
+    """A statement's text as as many lines, the last one ``pass``."""
+    return "\n" * (len(source_lines(text)) - 1) + "pass\n"
 
 
 # --- outputs -----------------------------------------------------------------------------------------------
