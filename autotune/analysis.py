@@ -681,7 +681,7 @@ def _modname(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def load_project(entry: Path, display_root: Path | None = None) -> Project:
+def load_project(entry: Path) -> Project:
     """Parse ``entry`` and every local module it imports, transitively (files under the entry's directory)."""
     with no_gc():
         return _load_project(Path(entry))

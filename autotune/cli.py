@@ -14,7 +14,7 @@ from autotune import __version__
 from autotune.analysis import Project, load_project, source_lines
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.patch import DIFF_NAME, PatchResult, run, select, write_in_place, write_outputs
-from autotune.transform import Site, Status, all_knobs, all_transforms
+from autotune.transform import Site, Status, all_knobs
 
 LOOKED_FOR = (
     "no training loop found: looked for a for/while loop whose body, directly or through a local function, "

@@ -211,13 +211,6 @@ def move_into_helper(call: cst.Call, names: set[str], helper: str) -> cst.Call:
     return out
 
 
-def _comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comment | None:
-    """The comment at the end of the line an argument's comma ends."""
-    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
-        return comma.whitespace_after.first_line.comment
-    return None
-
-
 def fresh_name(used: set[str], *candidates: str) -> str:
     """The first candidate not in ``used``, else ``<first>_2``, ``<first>_3``..."""
     for name in candidates:

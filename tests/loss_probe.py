@@ -62,7 +62,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 __all__ = ["ProbeError", "probe", "run_probe", "read_result"]
 
