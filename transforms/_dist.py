@@ -26,18 +26,9 @@ INIT_PROCESS_GROUP = {"torch.distributed.init_process_group", "torch.distributed
 INIT_DEVICE_MESH = {"torch.distributed.device_mesh.init_device_mesh", "torch.distributed.init_device_mesh"}
 
 
-def nodes_of(facts: ModuleFacts, kind: type | tuple[type, ...]) -> list:
-    """Every node of type ``kind`` in the file, in source order."""
-    found: list = []
-
-    class _Visitor(cst.CSTVisitor):
-        def on_visit(self, node: cst.CSTNode) -> bool:
-            if isinstance(node, kind):
-                found.append(node)
-            return True
-
-    facts.module.visit(_Visitor())
-    return found
+def nodes_of(facts: ModuleFacts, kind: type) -> list:
+    """Every node of type ``kind`` in the file, in source order (from the analysis's index, not a new walk)."""
+    return facts.nodes(kind)
 
 
 def calls_to(facts: ModuleFacts, names: set[str]) -> list[cst.Call]:

@@ -79,7 +79,8 @@ class Gc(Transform):
 
     def _import_gc(self, facts: ModuleFacts, edits: Edits) -> str:
         """The name baked code calls the gc module by: ``gc``, or ``_gc`` where the file uses ``gc`` otherwise."""
-        if facts.imports.get("gc", "gc") == "gc" and not _binds(facts.module, "gc"):
+        # only a file that says ``gc`` somewhere can bind it: the walk is for those
+        if facts.imports.get("gc", "gc") == "gc" and not ("gc" in facts.names and _binds(facts.module, "gc")):
             edits.require_import("gc")
             return "gc"
         if facts.imports.get("_gc") != "gc" and facts not in self._aliased:
