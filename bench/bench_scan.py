@@ -132,7 +132,7 @@ def _split(path: Path, repeat: int) -> None:
     """Where the in-process time of a patch goes, phase by phase (the same steps as ``run``, checked against it)."""
     import libcst as cst
 
-    from autotune.analysis import ModuleFacts, Project, _collect, _collect_names, _find_loops, _index, read_source
+    from autotune.analysis import ModuleFacts, Project, _collect, _collect_names, _find_loops, _index, no_gc, read_source
     from autotune.patch import _apply, _code, _step_hooks, run
     from autotune.transform import Edits, Mode, all_transforms
 
@@ -145,20 +145,21 @@ def _split(path: Path, repeat: int) -> None:
         return out
 
     for _ in range(repeat):
-        text = phase("read", lambda: read_source(path))
-        tree = phase("ast.parse", lambda: ast.parse(text, filename=path.name))
-        module = phase("libcst parse", lambda: cst.parse_module(text))
-        facts = ModuleFacts(path.resolve(), path.name, path.stem, False, text, module, tree)
-        phase("analysis: walk", lambda: _index(facts))
-        phase("analysis: facts", lambda: _collect(facts))
-        project = Project(path.resolve().parent, facts, [facts])
-        phase("analysis: project", lambda: (_collect_names(project), _find_loops(project)))
-        edits = Edits()
-        for transform in [t(project, Mode()) for t in all_transforms()]:
-            phase(f"  {transform.name}", lambda: transform.apply(facts, edits))
-        phase("step hook", lambda: _step_hooks(project, facts, edits))
-        new_text, check = phase("rewrite + code", lambda: _code(facts, _apply(facts, edits)))
-        phase("compile check", lambda: compile(check, path.name, "exec"))
+        with no_gc():  # as load_project and run do
+            text = phase("read", lambda: read_source(path))
+            tree = phase("ast.parse", lambda: ast.parse(text, filename=path.name))
+            module = phase("libcst parse", lambda: cst.parse_module(text))
+            facts = ModuleFacts(path.resolve(), path.name, path.stem, False, text, module, tree)
+            phase("analysis: walk", lambda: _index(facts))
+            phase("analysis: facts", lambda: _collect(facts))
+            project = Project(path.resolve().parent, facts, [facts])
+            phase("analysis: project", lambda: (_collect_names(project), _find_loops(project)))
+            edits = Edits()
+            for transform in [t(project, Mode()) for t in all_transforms()]:
+                phase(f"  {transform.name}", lambda: transform.apply(facts, edits))
+            phase("step hook", lambda: _step_hooks(project, facts, edits))
+            new_text, check = phase("rewrite + code", lambda: _code(facts, _apply(facts, edits)))
+            phase("compile check", lambda: compile(check, path.name, "exec"))
         # the diff of run's result costs the same: timed on it, and the text compared with ours
         result = run(project)
         assert result.files[0].new_text == new_text, "the split no longer follows patch.run"
