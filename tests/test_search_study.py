@@ -296,4 +296,25 @@ def test_report_writes_a_studys_outputs_and_says_when_nothing_was_confirmed(tmp_
     assert "no candidate was confirmed in A/B pairs yet" in doc["verdict"] and "gc.freeze=true, 2.000x" in doc["verdict"]
     assert doc["machine"] == "a (cpu)" and doc["search"]["runs"] == 4
     assert (out / "train.py").read_text() == script.read_text() and (out / "tuned.diff").read_text() == ""
-    assert "no trial run" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "no trial run" in report and "(first trial start to last trial end)" in report
+    assert "the study's runs took" in capsys.readouterr().out
+
+
+def test_the_study_span_counts_side_by_side_trials_once(tmp_path, storage):
+    import time
+
+    search = _search(tmp_path)
+    one, two = _store(search, storage, "host-a:1", "a (cpu)"), _store(search, storage, "host-b:2", "b (cpu)")
+    a = one.ask({"fused_optimizer.impl": "foreach", "gc.freeze": False})
+    time.sleep(0.02)
+    b = two.ask({"fused_optimizer.impl": "foreach", "gc.freeze": True})  # runs beside a
+    time.sleep(0.02)
+    one.record(a, _result(a.params, host="a", number=a.number), 1.0)
+    time.sleep(0.02)
+    two.record(b, _result(b.params, host="b", number=b.number), 1.0)
+    trials = one.study.get_trials()
+    each = [(t.datetime_complete - t.datetime_start).total_seconds() for t in trials]
+    span = one.span_s()
+    assert span == (max(t.datetime_complete for t in trials) - min(t.datetime_start for t in trials)).total_seconds()
+    assert 0 < span < sum(each)  # the sum would count the overlap twice

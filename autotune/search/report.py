@@ -218,7 +218,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
             "the loss tolerance is widened to twice that)"
         ),
         f"- Search: {o.mode} {doc['search']['configurations_measured']} of {o.space.size} configurations, "
-        f"{len(o.results)} runs in {o.wall_s:.0f}s; stopped: {o.stopped}; "
+        f"{len(o.results)} runs in {o.wall_s:.0f}s{_span_note(o)}; stopped: {o.stopped}; "
         f"{o.options.warmup} warm-up + {o.options.steps} measured steps per run",
         f"- Study: `{o.study_name}` in `{o.storage}` (run the same command again to resume or extend it)",
     ]
@@ -367,6 +367,10 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     return path, None
 
 
+def _span_note(o: SearchOutcome) -> str:
+    return " (first trial start to last trial end)" if o.from_study else ""
+
+
 def print_summary(o: SearchOutcome, w: Written, console) -> None:
     """The short summary at the end of a search."""
     defaults = o.space.baseline()
@@ -383,9 +387,10 @@ def print_summary(o: SearchOutcome, w: Written, console) -> None:
     counts: dict[str, int] = {}
     for r in o.results:
         counts[str(r.status)] = counts.get(str(r.status), 0) + 1
+    took = f"the study's runs took {o.wall_s:.0f}s{_span_note(o)}" if o.from_study else f"this search took {o.wall_s:.0f}s"
     console.print(
         f"{len(o.results)} runs in the study ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}); "
-        f"this search took {o.wall_s:.0f}s; stopped: {o.stopped}",
+        f"{took}; stopped: {o.stopped}",
         highlight=False,
         soft_wrap=True,
     )

@@ -130,6 +130,8 @@ class SearchOutcome:
     mode: str  # "enumerated" or "sampled"
     speedups: Mapping[int, float]  # trial number -> throughput relative to the same machine's baseline runs around it
     machine: str = ""  # the machine whose baseline runs, noise and confirmation the summary reports
+    # True for ``autotune report``: wall_s is then the study's span, first trial start to last trial end
+    from_study: bool = False
 
     @property
     def machines(self) -> tuple[str, ...]:
@@ -364,9 +366,11 @@ class Search:
             )
         machines = len({r.machine for r in self.results})
         stopped = f"reported from the study ({len(self.results)} runs on {machines} machine(s); no trial run)"
-        return self._outcome(stopped, confirmations, winner, machine, sum(r.wall_s for r in self.results))
+        return self._outcome(stopped, confirmations, winner, machine, store.span_s(), from_study=True)
 
-    def _outcome(self, stopped, confirmations, winner, machine: str, wall_s: float) -> SearchOutcome:
+    def _outcome(
+        self, stopped, confirmations, winner, machine: str, wall_s: float, from_study: bool = False
+    ) -> SearchOutcome:
         results = tuple(self._regate(self.results))
         return SearchOutcome(
             options=self.o,
@@ -386,6 +390,7 @@ class Search:
             mode=self.mode,
             speedups=local_speedups(results),
             machine=machine,
+            from_study=from_study,
         )
 
     def _refresh(self) -> None:

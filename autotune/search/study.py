@@ -296,6 +296,16 @@ class StudyStore:
             out.append(TrialResult.from_attrs({**t.user_attrs[ATTR_RESULT], "number": t.number}))
         return out
 
+    def span_s(self) -> float:
+        """Seconds from the first finished trial's start to the last one's end, on whichever machines: how long
+        the study took, with workers that ran side by side counted once."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        starts = [t.datetime_start for t in trials if t.datetime_start is not None]
+        ends = [t.datetime_complete for t in trials if t.datetime_complete is not None]
+        return (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
+
     def _claims(self, trials) -> set[str]:
         from optuna.trial import TrialState
 
