@@ -364,3 +364,25 @@ def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path)
     plot, why = write_plot(None, tmp_path / "throughput.png")
     assert plot is None and "pip install 'autotune[plot]'" in why
     assert not (tmp_path / "throughput.png").exists()
+
+
+def test_the_plot_compares_each_run_with_its_own_machines_baseline():
+    from types import SimpleNamespace
+
+    from autotune.search.report import plot_data
+
+    def run(n, host, step, role="search", status=Outcome.OK):
+        return TrialResult(config={}, role=role, status=status, step_times=(step,), number=n, host=host, device_name="cpu")
+
+    fast_box = [run(0, "fast", 0.01, "baseline"), run(2, "fast", 0.005)]  # 100 steps/s baseline, a 2x trial
+    slow_box = [run(1, "slow", 0.1, "baseline"), run(3, "slow", 0.08), run(4, "slow", 0.1, status=Outcome.DIVERGED)]
+    results = (*fast_box, *slow_box)
+    one = SimpleNamespace(results=tuple(fast_box), machines=(fast_box[0].machine,), machine=fast_box[0].machine)
+    data = plot_data(one)
+    assert data.points["ok"] == [(2, pytest.approx(200.0))] and data.level == pytest.approx(100.0)  # steps/s
+    two = SimpleNamespace(results=results, machines=tuple(dict.fromkeys(r.machine for r in results)), machine=one.machine)
+    data = plot_data(two)
+    assert data.level == 1.0 and "same machine" in data.ylabel
+    assert data.points["baseline"] == [(0, pytest.approx(1.0)), (1, pytest.approx(1.0))]
+    assert data.points["ok"] == [(2, pytest.approx(2.0)), (3, pytest.approx(1.25))]
+    assert data.points["diverged"] == [(4, pytest.approx(1.0))]

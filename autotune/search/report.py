@@ -316,6 +316,48 @@ def _pct(x: float | None) -> str:
 # --- the plot ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PlotData:
+    """What throughput.png shows: points per group, the y axis, and the baseline's level."""
+
+    points: dict[str, list[tuple[int, float]]]  # group -> (trial number, y)
+    ylabel: str
+    level: float | None  # the baseline median on that axis
+    level_label: str
+
+
+def plot_data(o: SearchOutcome) -> PlotData:
+    """Steps/s per run on one machine; on several, each run's steps/s over its own machine's baseline median,
+    since steps/s of different machines do not compare."""
+    several = len(o.machines) > 1
+    base: dict[str, float] = {}
+    for m in o.machines:
+        runs = [r.throughput for r in o.results if r.role == ROLE_BASELINE and r.throughput and r.machine == m]
+        if runs:
+            base[m] = statistics.median(runs)
+    points: dict[str, list[tuple[int, float]]] = {"baseline": [], "ok": [], "diverged": [], "failed": []}
+    for r in o.results:
+        y = r.throughput or 0.0
+        if several:
+            if r.machine not in base:
+                continue  # no baseline of its own machine to compare it with
+            y /= base[r.machine]
+        if r.role == ROLE_BASELINE or (r.role == ROLE_CONFIRM and r.attrs.get("arm") == "baseline"):
+            g = "baseline"
+        elif r.status is Outcome.OK:
+            g = "ok"
+        elif r.status is Outcome.DIVERGED:
+            g = "diverged"
+        else:
+            g = "failed"
+        points[g].append((r.number, y))
+    if several:
+        return PlotData(points, "steps/s over the same machine's baseline median", 1.0 if base else None,
+                        "baseline median (each machine's own)")
+    level = base.get(o.machine)
+    return PlotData(points, "steps/s (median step time)", level, "baseline median")
+
+
 def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     """throughput.png: steps/s per trial, baseline runs and failures marked; (None, why) without matplotlib."""
     try:
@@ -325,38 +367,21 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None, "matplotlib is not installed (pip install 'autotune[plot]')"
+    data = plot_data(o)
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
-    groups = {
-        "baseline": ([], [], "tab:gray", "s"),
-        "ok": ([], [], "tab:green", "o"),
-        "diverged": ([], [], "tab:orange", "D"),
-        "failed": ([], [], "tab:red", "x"),
-    }
-    for r in o.results:
-        y = r.throughput or 0.0
-        if r.role == ROLE_BASELINE or (r.role == ROLE_CONFIRM and r.attrs.get("arm") == "baseline"):
-            g = "baseline"
-        elif r.status is Outcome.OK:
-            g = "ok"
-        elif r.status is Outcome.DIVERGED:
-            g = "diverged"
-        else:
-            g = "failed"
-        groups[g][0].append(r.number)
-        groups[g][1].append(y)
-    for label, (xs, ys, color, marker) in groups.items():
-        if xs:
-            ax.scatter(xs, ys, c=color, marker=marker, label=label, zorder=3)
-    base = [r.throughput for r in o.results if r.role == ROLE_BASELINE and r.throughput and r.machine == o.machine]
-    if base:
-        label = "baseline median" + (f" ({o.machine})" if len(o.machines) > 1 else "")
-        ax.axhline(statistics.median(base), color="tab:gray", linestyle="--", linewidth=1, label=label)
+    styles = {"baseline": ("tab:gray", "s"), "ok": ("tab:green", "o"), "diverged": ("tab:orange", "D"), "failed": ("tab:red", "x")}
+    for label, pts in data.points.items():
+        if pts:
+            color, marker = styles[label]
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], c=color, marker=marker, label=label, zorder=3)
+    if data.level is not None:
+        ax.axhline(data.level, color="tab:gray", linestyle="--", linewidth=1, label=data.level_label)
     confirm = [r.number for r in o.results if r.role == ROLE_CONFIRM]
     if confirm:
         ax.axvline(min(confirm) - 0.5, color="black", linestyle=":", linewidth=1)
         ax.text(min(confirm) - 0.3, ax.get_ylim()[1], "confirmation (A/B pairs)", fontsize=8, va="top")
     ax.set_xlabel("trial")
-    ax.set_ylabel("steps/s (median step time)")
+    ax.set_ylabel(data.ylabel)
     machines = f", {len(o.machines)} machines" if len(o.machines) > 1 else ""
     ax.set_title(f"autotune search: {o.project.entry.display} on {o.device}{machines}")
     ax.grid(True, alpha=0.3)
