@@ -31,6 +31,9 @@ class Knob:
     numerics: Numerics
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     help: str = ""
+    # a value other than the default compiles code as the run starts (torch.compile, inductor's autotuning), which
+    # can take minutes: the search gives such a trial a longer timeout
+    compiles: bool = False
 
     def __post_init__(self) -> None:
         if self.default not in self.choices:

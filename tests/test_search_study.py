@@ -318,3 +318,16 @@ def test_the_study_span_counts_side_by_side_trials_once(tmp_path, storage):
     span = one.span_s()
     assert span == (max(t.datetime_complete for t in trials) - min(t.datetime_start for t in trials)).total_seconds()
     assert 0 < span < sum(each)  # the sum would count the overlap twice
+
+
+def test_a_configuration_that_compiles_gets_the_longer_timeout(tmp_path):
+    from autotune.search.search import COMPILE_MIN_TIMEOUT_S, FIRST_TIMEOUT_S
+
+    search = _search(tmp_path)
+    search.results = []  # nothing measured yet: the first timeout
+    compiling = [k for k in search.patch.knobs if k.compiles]
+    assert [k.name for k in compiling] == ["compile.mode"]  # declared by the knob, not known to the search by name
+    base = search.space.baseline()
+    assert search._timeout(base) == FIRST_TIMEOUT_S
+    assert search._timeout({**base, "compile.mode": "default"}) == max(FIRST_TIMEOUT_S, COMPILE_MIN_TIMEOUT_S)
+    assert search._timeout({**base, "compile.scope": "blocks"}) == FIRST_TIMEOUT_S  # no compile without a mode

@@ -56,6 +56,7 @@ class Compile(Transform):
             Numerics.REORDER,
             help="none: eager; otherwise torch.compile's mode (reduce-overhead and max-autotune use CUDA graphs "
             "on CUDA). The first steps pay for compilation: trials count them as warm-up",
+            compiles=True,
         ),
         Knob(
             "compile.scope",

@@ -416,7 +416,7 @@ class Search:
             return self.o.timeout
         walls = [r.wall_s for r in self._baselines()]
         timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
-        if config.get("compile.mode", "none") != "none":
+        if any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs):
             timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
         return timeout
 
