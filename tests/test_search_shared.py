@@ -1,7 +1,9 @@
-"""Two ``autotune search`` workers on one study at once: a real PostgreSQL server on loopback, and a journal file.
+"""Two ``autotune search`` workers on one study at once: real PostgreSQL and MariaDB servers on loopback, and a
+journal file.
 
-The server is Debian's PostgreSQL (``.ci/run`` installs it), started for these tests on a free port in a temporary
-folder and removed afterwards. Where it cannot be started the tests are skipped, and the reason is printed.
+The servers are Debian's PostgreSQL and MariaDB (``.ci/run`` installs them), each started for these tests on a free
+port in a temporary folder and removed afterwards. Where one cannot be started its tests are skipped, and the
+reason is printed.
 Timings are never asserted.
 """
 
@@ -110,11 +112,73 @@ def postgres():
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(params=["postgresql", "journal"])
+# --- a MySQL (MariaDB) server of the tests' own -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mysql():
+    """The URL of a fresh MariaDB (or MySQL) server on 127.0.0.1, stopped and its folder removed afterwards."""
+    try:
+        import pymysql  # noqa: F401
+    except ImportError:
+        pytest.skip("no MySQL driver: pip install 'autotune[mysql]'")
+    server = shutil.which("mariadbd") or shutil.which("mysqld") or next(
+        (p for p in ("/usr/sbin/mariadbd", "/usr/sbin/mysqld") if os.path.exists(p)), None
+    )
+    install = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
+    if server is None or install is None:
+        pytest.skip("MariaDB/MySQL is not installed (no mariadbd and mariadb-install-db)")
+    base = Path(tempfile.mkdtemp(prefix="autotune-mysql-"))
+    data, log, sock = base / "data", base / "server.log", base / "mysql.sock"
+    # as root the server runs as root when told to (the data folder is its own, thrown away afterwards)
+    user = ["--user=root"] if os.geteuid() == 0 else []
+    proc = None
+    try:
+        init = subprocess.run(
+            [install, "--no-defaults", f"--datadir={data}", *user, "--auth-root-authentication-method=normal",
+             "--skip-test-db"],
+            capture_output=True, text=True, timeout=300,
+        )
+        if init.returncode != 0:
+            pytest.skip(f"mariadb-install-db failed: {_tail(init.stdout + init.stderr)}")
+        port = _free_port()
+        proc = subprocess.Popen(
+            [server, "--no-defaults", f"--datadir={data}", *user, "--bind-address=127.0.0.1", f"--port={port}",
+             f"--socket={sock}", f"--log-error={log}", "--innodb-flush-log-at-trx-commit=0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                import pymysql
+
+                conn = pymysql.connect(host="127.0.0.1", port=port, user="root", password="", connect_timeout=2)
+                with conn.cursor() as cur:
+                    cur.execute("CREATE DATABASE autotune")
+                conn.close()
+                break
+            except pymysql.err.OperationalError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    text = log.read_text(errors="replace") if log.exists() else ""
+                    pytest.skip(f"MariaDB did not start: {_tail(text)}")
+                time.sleep(0.5)
+        yield f"mysql://root@127.0.0.1:{port}/autotune"  # as the README writes it: autotune picks the driver
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(params=["postgresql", "mysql", "journal"])
 def shared(request, tmp_path):
-    """(storage, the two workers' host names): on PostgreSQL two machines; a journal file: two workers of one."""
-    if request.param == "postgresql":
-        return request.getfixturevalue("postgres"), ("alpha", "beta")
+    """(storage, the two workers' host names): on a database two machines; a journal file: two workers of one."""
+    if request.param in ("postgresql", "mysql"):
+        return request.getfixturevalue("postgres" if request.param == "postgresql" else "mysql"), ("alpha", "beta")
     return str(tmp_path / "study.log"), (None, None)
 
 
@@ -245,8 +309,13 @@ def autotune_report(tmp_path: Path, storage: str, name: str) -> str:
     return (out / "report.md").read_text()
 
 
-def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, postgres):
-    storage = postgres
+@pytest.fixture(params=["postgresql", "mysql"])
+def database(request):
+    return request.getfixturevalue("postgres" if request.param == "postgresql" else "mysql")
+
+
+def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, database):
+    storage = database
     (alpha, _, alpha_log), (beta, _, _) = [start_worker(tmp_path, storage, "kill", i, h) for i, h in enumerate(("alpha", "beta"))]
     try:
         deadline = time.monotonic() + 300
