@@ -331,3 +331,69 @@ def test_a_configuration_that_compiles_gets_the_longer_timeout(tmp_path):
     assert search._timeout(base) == FIRST_TIMEOUT_S
     assert search._timeout({**base, "compile.mode": "default"}) == max(FIRST_TIMEOUT_S, COMPILE_MIN_TIMEOUT_S)
     assert search._timeout({**base, "compile.scope": "blocks"}) == FIRST_TIMEOUT_S  # no compile without a mode
+
+
+# --- a database that fails for a moment ------------------------------------------------------------------------
+
+
+def _failing(monkeypatch, store: StudyStore, times: int, exc: Exception):
+    """``store.study.get_trials`` raises ``exc`` the first ``times`` calls; returns the call counter."""
+    real = store.study.get_trials
+    calls = {"n": 0}
+
+    def get_trials(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] <= times:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.study, "get_trials", get_trials)
+    monkeypatch.setattr(study_mod, "STORAGE_WAIT_S", 0.0)
+    return calls
+
+
+def test_a_storage_call_that_fails_for_a_moment_is_made_again(tmp_path, storage, monkeypatch):
+    import optuna
+
+    search = _search(tmp_path)
+    store = _store(search, storage, "a:1")
+    calls = _failing(monkeypatch, store, 2, optuna.exceptions.StorageInternalError("deadlock, try again"))
+    results, claims = store.refresh()
+    assert results == [] and claims == set() and calls["n"] == 3
+
+
+def test_a_storage_that_keeps_failing_stops_with_one_line(tmp_path, storage, monkeypatch):
+    import optuna
+
+    search = _search(tmp_path)
+    store = _store(search, storage, "a:1")
+    cause = optuna.exceptions.StorageInternalError("An exception is raised during the commit.\nmore")
+    calls = _failing(monkeypatch, store, 100, cause)
+    with pytest.raises(study_mod.StorageFailed) as info:
+        store.refresh()
+    assert calls["n"] == study_mod.STORAGE_TRIES
+    message = str(info.value)
+    assert "\n" not in message and "failed 5 times in a row" in message and "run the same command again" in message
+    assert info.value.exit_code == 1
+
+
+def test_an_error_of_the_caller_is_not_made_again(tmp_path, storage, monkeypatch):
+    search = _search(tmp_path)
+    store = _store(search, storage, "a:1")
+    calls = _failing(monkeypatch, store, 100, KeyError("not a storage error"))
+    with pytest.raises(KeyError):
+        store.refresh()
+    assert calls["n"] == 1
+
+
+def test_a_record_made_again_after_its_tell_went_through_stores_the_result_once(tmp_path, storage):
+    search = _search(tmp_path)
+    store = _store(search, storage, "a:1")
+    config = {"fused_optimizer.impl": "foreach", "gc.freeze": False}
+    trial = store.ask(config)
+    store.label(trial, ROLE_SEARCH)
+    result = _result(config, number=trial.number)
+    assert store.record(trial, result, 1.0) == trial.number
+    # the database answered with an error after committing: the same record again
+    assert store.record(trial, result, 1.0) == trial.number
+    assert len(store.study.get_trials()) == 1

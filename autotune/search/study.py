@@ -9,6 +9,8 @@ once it has run far past its own timeout, so that its configuration is measured 
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import threading
 import time
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import UsageError
+from autotune.errors import AutotuneError, UsageError
 from autotune.runtime import pid_alive
 from autotune.search.machine import host_name
 from autotune.search.space import SearchSpace
@@ -53,6 +55,57 @@ UNSTARTED_S = 600.0  # the timeout assumed for a trial whose worker died before 
 SETUP_WAIT_S = 10.0  # how long a claim waits for an earlier trial whose worker is still labelling it
 CONNECT_TIMEOUT_S = 10
 DRIVER_EXTRAS = {"postgresql": "postgres", "mysql": "mysql"}
+# a database call that fails for a moment (a deadlock MySQL resolves by failing one transaction, a dropped
+# connection) is made again, this many times in all, waiting 0.5 s, 1 s, 2 s... between
+STORAGE_TRIES = 5
+STORAGE_WAIT_S = 0.5
+
+
+class StorageFailed(AutotuneError):
+    """The study's database kept failing: the search stops, with every finished trial kept in it."""
+
+    exit_code = 1
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a storage error may pass if the call is made again: the database's, not the caller's."""
+    import optuna
+
+    if isinstance(exc, optuna.exceptions.StorageInternalError):  # Optuna's wrapper of SQLAlchemy's errors
+        return True
+    import sys
+
+    sqlalchemy = sys.modules.get("sqlalchemy")
+    return sqlalchemy is not None and isinstance(exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError))
+
+
+def retrying(fn):
+    """Make a StudyStore call again when the database fails for a moment; after STORAGE_TRIES, one clear error.
+
+    Safe because each Optuna storage call commits or rolls back as a whole, and every call wrapped here may be
+    made again: writes of user attributes repeat the same values, and ``record`` knows its own earlier tell.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        wait = STORAGE_WAIT_S
+        for attempt in range(1, STORAGE_TRIES + 1):
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                if attempt == STORAGE_TRIES:
+                    cause = exc.__cause__ or exc
+                    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+                    raise StorageFailed(
+                        f"the study's storage failed {STORAGE_TRIES} times in a row ({first}); every finished trial "
+                        "is kept in it: run the same command again to resume"
+                    ) from None
+                time.sleep(wait)
+                wait *= 2
+
+    return wrapper
 
 
 def _feasibility(trial) -> tuple[float]:
@@ -241,6 +294,7 @@ class StudyStore:
 
     # --- what the study is -------------------------------------------------------------------------------------
 
+    @retrying
     def adopt(self, fingerprint: str, space: SearchSpace, about: Mapping[str, Any]) -> None:
         """Make the study this search's, or check that it is: one script, arguments and settings per study."""
         self.space = space
@@ -258,6 +312,7 @@ class StudyStore:
         if STUDY_ABOUT not in attrs:  # made by an autotune that did not record it yet
             self.study.set_user_attr(STUDY_ABOUT, dict(about))
 
+    @retrying
     def about(self) -> dict[str, Any]:
         """What the study was made from (script, arguments, device, steps...), as ``adopt`` stored it."""
         about = self.study.user_attrs.get(STUDY_ABOUT)
@@ -274,6 +329,7 @@ class StudyStore:
 
     # --- reading -----------------------------------------------------------------------------------------------
 
+    @retrying
     def refresh(self) -> tuple[list[TrialResult], set[str]]:
         """Close the trials of dead workers, then: every finished result, and the claims other workers hold now."""
         trials = self.study.get_trials(deepcopy=False)
@@ -281,6 +337,7 @@ class StudyStore:
             trials = self.study.get_trials(deepcopy=False)
         return self.results(trials), self._claims(trials)
 
+    @retrying
     def results(self, trials=None) -> list[TrialResult]:
         """Every finished trial's result, in trial order (reused duplicates left out)."""
         from optuna.trial import TrialState
@@ -296,6 +353,7 @@ class StudyStore:
             out.append(TrialResult.from_attrs({**t.user_attrs[ATTR_RESULT], "number": t.number}))
         return out
 
+    @retrying
     def span_s(self) -> float:
         """Seconds from the first finished trial's start to the last one's end, on whichever machines: how long
         the study took, with workers that ran side by side counted once."""
@@ -396,6 +454,7 @@ class StudyStore:
 
     # --- writing -----------------------------------------------------------------------------------------------
 
+    @retrying
     def ask(self, config: Mapping[str, Any] | None):
         """A new running trial of ``config``, or of the sampler's choice when None."""
         import optuna
@@ -428,6 +487,7 @@ class StudyStore:
         assert self.space is not None
         return {k.name: trial.params.get(k.name, k.default) for k in self.space.knobs}
 
+    @retrying
     def label(self, trial, role: str, claim: str | None = None) -> None:
         """Say who runs ``trial``, where, and what it claims; the role last: a trial with a role is labelled."""
         trial.set_user_attr(ATTR_PROCESSES, self._processes)  # before the worker: a pid is never read without it
@@ -437,6 +497,7 @@ class StudyStore:
             trial.set_user_attr(ATTR_CLAIM, claim)
         trial.set_user_attr(ATTR_ROLE, role)
 
+    @retrying
     def holds(self, trial, claim: str) -> bool:
         """Whether ``trial`` holds ``claim``: no earlier trial, running or finished, claims the same.
 
@@ -462,6 +523,7 @@ class StudyStore:
                 return True
             time.sleep(0.05)
 
+    @retrying
     def step_aside(self, trial) -> None:
         """Another worker claimed the same program first: end this trial unrun."""
         from optuna.trial import TrialState
@@ -469,10 +531,12 @@ class StudyStore:
         trial.set_user_attr(ATTR_ROLE, ROLE_YIELDED)
         self.study.tell(trial, state=TrialState.FAIL)
 
+    @retrying
     def started(self, trial, pid: int, timeout: float) -> None:
         trial.set_user_attr(ATTR_PID, pid)
         trial.set_user_attr(ATTR_TIMEOUT, timeout)
 
+    @retrying
     def record(self, trial, result: TrialResult, value: float) -> int:
         """Tell Optuna a trial's outcome (``value``, feasible only when it passed); the number it is stored under."""
         import optuna
@@ -481,8 +545,12 @@ class StudyStore:
             self._tell(trial, result, value)
             return trial.number
         except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
-            if not self._finished(trial.number):
+            stored = self.study.get_trials(deepcopy=False)[trial.number]
+            if not stored.state.is_finished():
                 raise
+            mine = json.loads(json.dumps(result.to_attrs()))  # as the storage gives it back: lists, not tuples
+            if stored.state.name == "COMPLETE" and stored.user_attrs.get(ATTR_RESULT) == mine:
+                return trial.number  # this very tell went through before a failed call was made again
         # another worker took this one for dead (a pause longer than the heartbeat grace) and closed the trial:
         # the measurement is still good, so it is kept in a new trial
         again = self.ask(result.config)
@@ -496,9 +564,7 @@ class StudyStore:
         self._feasible(trial, result.status is Outcome.OK)
         self.study.tell(trial, value)
 
-    def _finished(self, number: int) -> bool:
-        return self.study.get_trials(deepcopy=False)[number].state.is_finished()
-
+    @retrying
     def reuse(self, trial, earlier: TrialResult, value: float) -> None:
         """The sampler proposed a configuration already measured: tell it the earlier result (Optuna's FAQ way)."""
         trial.set_user_attr(ATTR_ROLE, ROLE_DUPLICATE)
@@ -511,6 +577,7 @@ class StudyStore:
         if self._set_constraint:
             trial.set_constraint("feasible", 0.0 if feasible else 1.0)
 
+    @retrying
     def abandon(self, trial) -> None:
         """The search was stopped during this trial: FAIL, so a resumed search measures it again."""
         from optuna.trial import TrialState
