@@ -650,6 +650,9 @@ class _Trial:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
+        own = _own_peak_rss()
+        if own is not None:
+            return own, "cpu_max_rss"
         try:
             import resource
 
@@ -726,6 +729,22 @@ def _start_trial() -> _Trial | None:
 
 
 WATCH_S = 0.5
+
+
+def _own_peak_rss() -> int | None:
+    """This process's peak resident memory in bytes, from Linux's VmHWM; None where there is no /proc.
+
+    Not getrusage's ru_maxrss: Linux keeps that figure across exec, so a trial started by the search (a process
+    of a few hundred MiB with libcst and Optuna loaded) would report at least the search's own size.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def pid_alive(pid: int) -> bool:

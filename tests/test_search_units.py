@@ -330,6 +330,19 @@ def test_trial_protocol_times_the_window_and_ends_the_run(tmp_path):
     assert r["warmup_s"] > 0 and r["first_step_s"] > 0 and r["peak_memory"] > 0
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_a_trials_peak_memory_is_its_own_not_the_searchs(tmp_path):
+    # Linux keeps getrusage's ru_maxrss across exec: a trial started by a 300 MiB search reported >= 300 MiB
+    held = bytearray(300 * 1024 * 1024)
+    held[:: 4096] = b"\x01" * len(held[:: 4096])  # touch every page: resident in this (the parent) process
+    body = "x = bytearray(40 * 1024 * 1024)\nx[::4096] = b'\\x01' * len(x[::4096])\nfor i in range(10):\n    _autotune.step(1.0)\n"
+    proc, r = _run_trial_script(tmp_path, body, warmup=1, steps=2)
+    del held
+    assert proc.returncode == 0, proc.stderr
+    assert r["peak_memory_kind"] == "cpu_max_rss"
+    assert 40 * 2**20 < r["peak_memory"] < 250 * 2**20  # its own 40 MiB and Python's, not the parent's 300 MiB
+
+
 def test_trial_protocol_keeps_each_loss_when_the_script_reuses_its_output_buffer(tmp_path):
     # CUDA graphs (compile's reduce-overhead) return the loss in a static buffer that every replay overwrites;
     # seen on an H100 as a 2x faster trial whose recorded losses were garbage. The same reuse, on CPU:
