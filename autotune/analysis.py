@@ -50,7 +50,6 @@ def no_gc() -> Iterator[None]:
             gc.enable()
 
 
-
 def read_source(path: Path, display: str | None = None) -> str:
     """The text of a Python source file, or a UsageError that says in one line why it cannot be used."""
     display = display or str(path)

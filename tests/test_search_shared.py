@@ -119,7 +119,7 @@ def postgres():
 def mysql():
     """The URL of a fresh MariaDB (or MySQL) server on 127.0.0.1, stopped and its folder removed afterwards."""
     try:
-        import pymysql  # noqa: F401
+        import pymysql
     except ImportError:
         pytest.skip("no MySQL driver: pip install 'autotune[mysql]'")
     server = shutil.which("mariadbd") or shutil.which("mysqld") or next(
@@ -150,8 +150,6 @@ def mysql():
         deadline = time.monotonic() + 60
         while True:
             try:
-                import pymysql
-
                 conn = pymysql.connect(host="127.0.0.1", port=port, user="root", password="", connect_timeout=2)
                 with conn.cursor() as cur:
                     cur.execute("CREATE DATABASE autotune")

@@ -26,11 +26,6 @@ INIT_PROCESS_GROUP = {"torch.distributed.init_process_group", "torch.distributed
 INIT_DEVICE_MESH = {"torch.distributed.device_mesh.init_device_mesh", "torch.distributed.init_device_mesh"}
 
 
-def nodes_of(facts: ModuleFacts, kind: type) -> list:
-    """Every node of type ``kind`` in the file, in source order (from the analysis's index, not a new walk)."""
-    return facts.nodes(kind)
-
-
 def calls_to(facts: ModuleFacts, names: set[str]) -> list[cst.Call]:
     return [c for c in facts.calls if facts.qualname(c.func) in names]
 

@@ -25,11 +25,6 @@ MODULE_DICT = "torch.nn.ModuleDict"
 # Module methods that return the module itself: ``GPT(cfg).to(device)`` is still a GPT.
 MODULE_CHAIN = {"to", "cuda", "cpu", "train", "eval", "float", "half", "double", "bfloat16", "requires_grad_"}
 
-def nodes_in(facts: ModuleFacts, owner: cst.CSTNode, kind: type) -> list:
-    """The nodes of type ``kind`` inside ``owner``, in source order."""
-    return facts.nodes_in(owner, kind)
-
-
 
 def is_name(node: cst.CSTNode, value: str | None = None) -> bool:
     return isinstance(node, cst.Name) and (value is None or node.value == value)
@@ -87,7 +82,7 @@ def bound_names(target: cst.BaseExpression) -> Iterator[str]:
 
 def names_read(facts: ModuleFacts, owner: cst.CSTNode) -> Iterator[cst.Name]:
     """The Name nodes under ``owner`` that read a variable (not assignment targets, attributes or keywords)."""
-    for name in nodes_in(facts, owner, cst.Name):
+    for name in facts.nodes_in(owner, cst.Name):
         parent = facts.parent(name)
         if isinstance(parent, cst.Attribute) and parent.attr is name:
             continue
@@ -117,7 +112,7 @@ def _is_store(facts: ModuleFacts, name: cst.Name) -> bool:
 def assigned_names(facts: ModuleFacts, owner: cst.CSTNode) -> set[str]:
     """Names bound anywhere under ``owner`` (assignments, augmented assignments, loop targets, ``as``)."""
     out = set()
-    for name in nodes_in(facts, owner, cst.Name):
+    for name in facts.nodes_in(owner, cst.Name):
         if _is_store(facts, name):
             out.add(name.value)
     return out
@@ -131,7 +126,7 @@ def scope_of(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
 def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.CSTNode | None = None) -> list[cst.Assign]:
     """The ``name = ...`` statements of ``scope`` (not of functions nested in it), before ``before`` when given."""
     out = []
-    for assign in nodes_in(facts, scope, cst.Assign):
+    for assign in facts.nodes_in(scope, cst.Assign):
         if scope_of(facts, assign) is not scope:
             continue
         if before is not None and facts._enter[assign] >= facts._enter[before]:
@@ -143,7 +138,7 @@ def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.C
 
 def unique_name(facts: ModuleFacts, scope: cst.CSTNode, *candidates: str) -> str:
     """The first candidate the scope does not use yet (then ``candidate_2``...)."""
-    return fresh_name({n.value for n in nodes_in(facts, scope, cst.Name)}, *candidates)
+    return fresh_name({n.value for n in facts.nodes_in(scope, cst.Name)}, *candidates)
 
 
 # --- classes -----------------------------------------------------------------------------------------------
@@ -170,7 +165,7 @@ class ClassRef:
     def attr_values(self, attr: str) -> list[cst.BaseExpression]:
         """What ``self.<attr>`` is assigned in the class's methods."""
         out = []
-        for assign in nodes_in(self.facts, self.node, cst.Assign):
+        for assign in self.facts.nodes_in(self.node, cst.Assign):
             if self.facts.class_of(assign) is not self.node:
                 continue
             if any(self_attr(t.target) == attr for t in assign.targets):
@@ -188,7 +183,7 @@ class ClassRef:
         if init is None:
             return []
         out = []
-        for assign in nodes_in(self.facts, init, cst.Assign):
+        for assign in self.facts.nodes_in(init, cst.Assign):
             if self.facts.function_of(assign) is not init:
                 continue
             for t in assign.targets:
@@ -280,7 +275,7 @@ def model_class(project: Project, facts: ModuleFacts, scope: cst.CSTNode, expr: 
     target = find_function(project, qual)
     if target is not None:
         owner, fn = target
-        for ret in nodes_in(owner, fn, cst.Return):
+        for ret in owner.nodes_in(fn, cst.Return):
             if ret.value is not None and owner.function_of(ret) is fn:
                 result = model_class(project, owner, fn, ret.value, depth + 1)
                 if result is not None:

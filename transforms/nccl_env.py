@@ -9,7 +9,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, stmt
-from autotune.transforms._dist import INIT_DEVICE_MESH, INIT_PROCESS_GROUP, backend_arg, calls_to, literal_string, nodes_of
+from autotune.transforms._dist import INIT_DEVICE_MESH, INIT_PROCESS_GROUP, backend_arg, calls_to, literal_string
 
 # knob setting -> environment variable; the values are autotune.runtime's nccl_env_value() (a test keeps them equal)
 VARIABLES = {"algo": "NCCL_ALGO", "min_nchannels": "NCCL_MIN_NCHANNELS", "buffsize_mb": "NCCL_BUFFSIZE"}
@@ -127,7 +127,7 @@ class NcclEnv(Transform):
         found = []
         names = set(VARIABLES.values())
         for module in self.project.modules:
-            for node in nodes_of(module, cst.SimpleString):
+            for node in module.strings:
                 if node.evaluated_value not in names:
                     continue
                 line = module.statement_of(node)

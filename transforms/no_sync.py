@@ -9,7 +9,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts, StepScope
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, is_docstring, expr
-from autotune.transforms._dist import Wrapped, assigned_chains, chains, conflicts, ddp_models, nodes_of
+from autotune.transforms._dist import Wrapped, assigned_chains, chains, conflicts, ddp_models
 
 # Expressions that may run code or bind names: the accumulation condition is evaluated once more, before the
 # forward pass, so it must be a plain expression over values that do not change in between.
@@ -132,7 +132,7 @@ class NoSync(Transform):
             for c in module.calls:
                 if isinstance(c.func, cst.Attribute) and c.func.attr.value == "no_sync" and not c.args:
                     return f"the script calls {module.code(c.func)}() itself ({module.display}:{module.position(c)[0]})"
-            for node in nodes_of(module, cst.AssignTarget):
+            for node in module.nodes(cst.AssignTarget):
                 if isinstance(node.target, cst.Attribute):
                     if node.target.attr.value == "require_backward_grad_sync":
                         line = module.position(module.statement_of(node))[0]

@@ -20,7 +20,6 @@ from ._model import (
     int_value,
     is_name,
     names_read,
-    nodes_in,
     positional,
     scope_of,
     self_attr,
@@ -139,7 +138,7 @@ class Sdpa(Transform):
     def _products(facts: ModuleFacts) -> list[cst.BaseExpression]:
         """Every ``a @ b``, ``torch.matmul(a, b)`` and two-operand ``torch.einsum``: candidate ``weights @ v``."""
         out: list[cst.BaseExpression] = list(
-            n for n in nodes_in(facts, facts.module, cst.BinaryOperation) if isinstance(n.operator, cst.MatrixMultiply)
+            n for n in facts.nodes(cst.BinaryOperation) if isinstance(n.operator, cst.MatrixMultiply)
         )
         for call in facts.calls:
             qual = facts.qualname(call.func)
@@ -933,7 +932,7 @@ def _is_number(facts: ModuleFacts, node: cst.BaseExpression, m: _Match, depth: i
         found = assignments(facts, fn, node.value)
         if found:
             return all(_is_number(facts, a.value, m, depth + 1) for a in found)
-        for assign in nodes_in(facts, fn, cst.Assign):
+        for assign in facts.nodes_in(fn, cst.Assign):
             for t in assign.targets:
                 if isinstance(t.target, cst.Tuple) and any(is_name(e.value, node.value) for e in t.target.elements):
                     return _is_number(facts, assign.value, m, depth + 1) or _is_shape(assign.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import threading
 import time
 import warnings
@@ -73,8 +74,6 @@ def _transient(exc: BaseException) -> bool:
 
     if isinstance(exc, optuna.exceptions.StorageInternalError):  # Optuna's wrapper of SQLAlchemy's errors
         return True
-    import sys
-
     sqlalchemy = sys.modules.get("sqlalchemy")
     return sqlalchemy is not None and isinstance(exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError))
 
