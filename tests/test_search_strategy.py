@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from autotune.knobs import Knob, Numerics
 from autotune.search.space import SearchSpace, config_key
@@ -285,6 +286,23 @@ def test_search_finds_the_pair_that_only_pays_together_and_keeps_its_budget(tmp_
     assert outcome.wall_s <= 900 * 1.1
     assert outcome.winner.accepted and outcome.winner.p_value <= 0.05
     assert any("worth" in x for x in outcome.interactions)
+
+    # what a user reads: the summary line and the report tell the verdict with its confidence, and the path
+    import io
+
+    from rich.console import Console
+
+    from autotune.search.report import print_summary, write_outputs
+
+    printed = io.StringIO()
+    print_summary(outcome, write_outputs(outcome), Console(file=printed, width=200))
+    assert "tuned: " in printed.getvalue() and "p = 0.031" in printed.getvalue()
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## How the search got there" in report
+    assert "blamed backend_flags.matmul_precision=high: diverged" in report
+    assert "sign test p = 0.031" in report
+    doc = yaml.safe_load((tmp_path / "out" / "autotune.yaml").read_text())
+    assert doc["confidence"]["wins"] == 5 and doc["search"]["blamed"][0]["knob"] == "backend_flags.matmul_precision"
 
 
 def test_a_budget_too_small_for_baselines_a_trial_and_confirmation_is_refused_with_what_fits(tmp_path, monkeypatch):

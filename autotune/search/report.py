@@ -449,12 +449,12 @@ def print_summary(o: SearchOutcome, w: Written, console) -> None:
     """The short summary at the end of a search."""
     defaults = o.space.baseline()
     if o.winner:
-        w = o.winner
-        low, high, cover = w.interval
+        win = o.winner
+        low, high, cover = win.interval
         console.print(
-            f"[bold green]tuned:[/] {changed_text(w.config, defaults)}: [bold]{w.speedup:.2f}x[/] the baseline "
-            f"({100 * cover:.0f}% interval {low:.2f}x..{high:.2f}x; faster in {w.wins} of {len(w.ratios)} A/B pairs, "
-            f"p = {w.p_value:.3f})",
+            f"[bold green]tuned:[/] {changed_text(win.config, defaults)}: [bold]{win.speedup:.2f}x[/] the baseline "
+            f"({100 * cover:.0f}% interval {low:.2f}x..{high:.2f}x; faster in {win.wins} of {len(win.ratios)} A/B "
+            f"pairs, p = {win.p_value:.3f})",
             highlight=False,
             soft_wrap=True,
         )
