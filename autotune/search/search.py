@@ -18,6 +18,7 @@ from typing import Any
 from autotune.analysis import RUNTIME_ALIAS, Project, load_project
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.bake import bake, check_out_dir
+from autotune.files import claim_out_dir
 from autotune.patch import PatchResult, run, select
 from autotune.search.gate import Noise, judge, measure_noise
 from autotune.search.live import QuietDisplay
@@ -241,7 +242,9 @@ class Search:
             self.space = restore_space(self.patch.knobs, self.device, about["space"], about.get("left_out") or {})
         else:
             self.space = build_space(self.patch.knobs, self.device, read_space(self.device, options.space))
-        self.out = check_out_dir(options.out, self.project)
+        from autotune.search.report import PLOT_NAME, REPORT_NAME  # (not at the top: report.py imports this module)
+
+        self.out = check_out_dir(options.out, self.project, (REPORT_NAME, PLOT_NAME))
         self.fingerprint = fingerprint(self.patch, options, self.device, self.space)
         self.study_name = options.study_name or f"{options.script.stem}-{self.fingerprint[:12]}"
         self.storage_desc = options.storage or str(self.out / DB_NAME)
@@ -282,7 +285,7 @@ class Search:
                 f"{self.o.script}: nothing to search on {self.device}: no optimization applies to this script"
                 + (f" (left out: {', '.join(sorted(self.space.left_out))})" if self.space.left_out else "")
             )
-        self.out.mkdir(parents=True, exist_ok=True)
+        claim_out_dir(self.out)
         lock = _Lock(self.out)
         env = dict(self.o.env)
         if self.device == "cpu":
