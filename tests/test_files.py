@@ -256,3 +256,22 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize("case", ["not made by autotune", "a file", "below a file"])
+def test_report_checks_its_output_folder_first(case, users_folder, tmp_path, capsys):
+    from autotune.search.live import QuietDisplay
+    from autotune.search.search import Search, SearchOptions
+    from autotune.search.study import StudyStore, open_storage
+
+    options = SearchOptions(script=TINY, out=tmp_path / "unused", space=Path(_space(tmp_path)), study_name="s")
+    search = Search(options, QuietDisplay())
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    StudyStore(open_storage(url), "s", machine="m (cpu)").adopt(search.fingerprint, search.space, search.about())
+    out = {"not made by autotune": users_folder, **_bad_outs(tmp_path)}[case]
+    before = _snapshot(tmp_path)
+    assert main(["report", "--storage", url, "--out", str(out)]) == 2
+    line = _one_line(capsys)
+    assert {"not made by autotune": "was not made by autotune", "a file": "must be a folder",
+            "below a file": "which is a file"}[case] in line
+    assert _snapshot(tmp_path) == before
