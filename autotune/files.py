@@ -85,18 +85,20 @@ def _new_file_mode() -> int:
     return 0o666 & ~_UMASK
 
 
-def write_file(path: Path, data: str | bytes, durable: bool = False) -> Path:
+def write_file(path: Path, data: str | bytes, users_file: bool = False) -> Path:
     """Replace ``path`` atomically (a temporary file in its folder, then os.replace), keeping an existing file's
     mode; a killed process leaves the old file or the new one, never a part of either.
 
-    ``durable`` also flushes the data to disk before the rename, so that a power cut cannot leave an empty file
-    either: for the user's own files (--in-place), not for outputs, where it would cost 10 ms a file.
+    An output replaces a symbolic link at ``path`` rather than write where it points. A ``users_file`` (--in-place)
+    is written where its link points, so the link stays, and is flushed to disk before the rename, so that a
+    power cut cannot leave an empty file either (not for outputs: 10 ms a file).
     """
-    target = Path(os.path.realpath(path))  # a symlink stays one: the file it points to is replaced
+    target = Path(os.path.realpath(path)) if users_file else path
     raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
         try:
-            mode = stat.S_IMODE(os.stat(target).st_mode)
+            st = os.lstat(target)
+            mode = _new_file_mode() if stat.S_ISLNK(st.st_mode) else stat.S_IMODE(st.st_mode)
         except FileNotFoundError:
             mode = _new_file_mode()
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +108,7 @@ def write_file(path: Path, data: str | bytes, durable: bool = False) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
-            if durable:
+            if users_file:
                 f.flush()
                 os.fsync(f.fileno())
         os.chmod(tmp, mode)
@@ -151,7 +153,7 @@ def replace_all(changes: Sequence[tuple[Path, str]]) -> list[Path]:
                         backup.unlink()
                     raise UsageError(f"{backup}: cannot write the backup: {exc.strerror or exc}") from None
             try:
-                write_file(path, text, durable=True)
+                write_file(path, text, users_file=True)
             except BaseException:
                 if backup is not None:  # this file was not replaced: its copy is no backup of anything
                     backup.unlink(missing_ok=True)
@@ -175,7 +177,7 @@ def _roll_back(done: list[tuple[Path, Path | None]]) -> list[str]:
             if backup is None:
                 path.unlink(missing_ok=True)
             else:
-                write_file(path, backup.read_bytes(), durable=True)
+                write_file(path, backup.read_bytes(), users_file=True)
                 backup.unlink()
         except (OSError, UsageError):
             stuck.append(str(path))

@@ -252,6 +252,26 @@ def test_write_file_replaces_atomically_and_keeps_the_mode(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]  # no temporary file left
 
 
+def test_an_output_replaces_a_link_in_autotunes_folder_never_the_file_it_points_to(tmp_path):
+    mine = tmp_path / "my_train.py"
+    mine.write_text("# the user's own script\n")
+    out = tmp_path / "out"
+    assert main(["patch", str(TINY), "--out", str(out)]) == 0
+    (out / "tiny.py").unlink()
+    (out / "tiny.py").symlink_to(mine)
+    assert main(["patch", str(TINY), "--out", str(out)]) == 0
+    assert mine.read_text() == "# the user's own script\n"
+    assert not (out / "tiny.py").is_symlink() and "_autotune" in (out / "tiny.py").read_text()
+
+
+def test_an_output_that_cannot_be_written_midway_is_one_line(tmp_path):
+    run = _hooked_cli("patch.diff", "fail", ["patch", str(TINY), "--out", "out"], tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    err = run.stderr.strip()
+    assert len(err.splitlines()) == 1 and "patch.diff: cannot write it: No space left on device" in err
+    assert not list((tmp_path / "out").glob(".*.tmp"))  # no temporary file left behind
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
