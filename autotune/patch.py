@@ -352,7 +352,7 @@ def check_out_dir(out: Path, project: Project, names: Iterable[str] = ()) -> Pat
     user's files (the script itself, or a folder autotune did not make) or would fail; nothing is written."""
     resolved = out.resolve()
     root = project.root.resolve()
-    rels = [m.path.resolve().relative_to(root) for m in project.modules]
+    rels = [m.path.relative_to(project.root) for m in project.modules]  # as write_files places them
     sources = {m.path.resolve() for m in project.modules}
     if resolved == root or any((resolved / rel).resolve() in sources for rel in rels):
         raise UsageError(
