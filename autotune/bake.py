@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from autotune import files
 from autotune.analysis import Project
 from autotune.errors import UsageError
 from autotune.patch import CONFIG_NAME, PatchResult, run, select, write_files
+from autotune.patch import check_out_dir as check_project_out_dir
 from autotune.transform import Mode, all_knobs
 
 DIFF_NAME = "tuned.diff"
@@ -57,44 +59,18 @@ def bake(project: Project, values: Mapping[str, Any], device: str) -> PatchResul
     return run(project, select(), Mode(values=dict(values), device=device), hooks=False)
 
 
-def check_out_dir(out: Path, project: Project) -> Path:
-    """The output folder, refused where writing there could overwrite the user's own files."""
-    out = out.resolve()
-    root = project.root.resolve()
-    if out == root:
-        raise UsageError(f"{out}: the output folder must not be the script's own folder (pass --out DIR)")
-    sources = {m.path.resolve() for m in project.modules}
-    dests = [out / m.path.resolve().relative_to(root) for m in project.modules]
-    for d in dests:
-        if d.resolve() in sources:
-            raise UsageError(f"{d}: writing the tuned script there would overwrite the script itself; pass --out DIR")
-    if out.is_file():
-        raise UsageError(f"{out}: --out must be a folder, not a file")
-    ours = False
-    config = out / CONFIG_NAME
-    if config.is_file():
-        try:
-            doc = yaml.safe_load(config.read_text(encoding="utf-8"))
-            ours = isinstance(doc, dict) and "script" in doc
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            ours = False
-    if not ours:
-        for name in [*(str(d.relative_to(out)) for d in dests), CONFIG_NAME, DIFF_NAME, "report.md"]:
-            if (out / name).exists():
-                raise UsageError(f"{out / name} exists and was not written by autotune; pass another --out DIR")
-    return out
+def check_out_dir(out: Path, project: Project, names: Iterable[str] = ()) -> Path:
+    """The output folder of a bake (or a search), refused where writing its outputs and ``names`` there could
+    overwrite the user's own files or would fail; nothing is written."""
+    return check_project_out_dir(out, project, (CONFIG_NAME, DIFF_NAME, *names))
 
 
 def write_baked(result: PatchResult, out_dir: Path, config: Mapping[str, Any] | None = None, header: str = "") -> list[Path]:
     """Write every file of the baked project (same layout as the original), ``tuned.diff`` and, given, the config."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    files.claim_out_dir(out_dir)
     written = []
-    if config is not None:  # first: it marks the folder as autotune's, should writing the rest fail
-        path = out_dir / CONFIG_NAME
-        path.write_text(header + yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
-        written.append(path)
+    if config is not None:
+        written.append(files.write_file(out_dir / CONFIG_NAME, header + yaml.safe_dump(dict(config), sort_keys=False)))
     written.extend(write_files(result, out_dir))
-    diff = out_dir / DIFF_NAME
-    diff.write_text(result.diff(), encoding="utf-8")
-    written.append(diff)
+    written.append(files.write_file(out_dir / DIFF_NAME, result.diff()))
     return written

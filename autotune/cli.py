@@ -13,7 +13,7 @@ from rich.console import Console
 from autotune import __version__
 from autotune.analysis import Project, load_project, source_lines
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
-from autotune.patch import DIFF_NAME, PatchResult, run, select, write_in_place, write_outputs
+from autotune.patch import CONFIG_NAME, DIFF_NAME, PatchResult, check_out_dir, run, select, write_in_place, write_outputs
 from autotune.transform import Site, Status, all_knobs
 
 LOOKED_FOR = (
@@ -133,6 +133,8 @@ def cmd_patch(args: argparse.Namespace, console: Console) -> int:
         present = sum(s.status is Status.PRESENT for s in result.sites)
         console.print(f"{args.path}: nothing to patch ({present} optimization(s) already present); nothing written")
         return 0
+    if not (args.diff or args.in_place):  # before the diff is shown: a refused folder is the one thing said
+        check_out_dir(Path(args.out), project, (CONFIG_NAME, DIFF_NAME))
     _print_diff(result, console)
     if args.diff:
         return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from autotune.analysis import (
     no_gc,
     source_lines,
 )
+from autotune import files
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
@@ -347,66 +347,51 @@ def knob_table(knobs: Iterable[Knob], values: Mapping[str, Any] | None = None) -
     }
 
 
+def check_out_dir(out: Path, project: Project, names: Iterable[str] = ()) -> Path:
+    """The output folder for ``project``'s files and ``names``, refused where writing there could overwrite the
+    user's files (the script itself, or a folder autotune did not make) or would fail; nothing is written."""
+    resolved = out.resolve()
+    root = project.root.resolve()
+    rels = [m.path.relative_to(project.root) for m in project.modules]  # as write_files places them
+    sources = {m.path.resolve() for m in project.modules}
+    if resolved == root or any((resolved / rel).resolve() in sources for rel in rels):
+        raise UsageError(
+            f"{resolved}: the output folder must not be the script's own folder, where the outputs would overwrite "
+            "the script (pass --out DIR)"
+        )
+    return files.check_out_dir(resolved, [*rels, *names])
+
+
 def write_files(result: PatchResult, out_dir: Path) -> list[Path]:
     """Every file of the project, changed or not, at its place relative to the entry script under ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for f in result.files:
-        dest = out_dir / f.rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(f.new_text, encoding="utf-8")
-        written.append(dest)
-    return written
+    return [files.write_file(out_dir / f.rel, f.new_text) for f in result.files]
 
 
 def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> list[Path]:
     """Write the patched files, the unchanged local modules beside them, autotune.yaml and patch.diff."""
     import yaml  # here, not at the top: scan and patch --diff write no config, and start-up counts
 
-    root = result.project.root
-    out_dir = out_dir.resolve()
-    if out_dir == root:
-        raise UsageError(f"{out_dir}: the output folder must not be the script's own folder (use --in-place)")
+    out_dir = files.claim_out_dir(check_out_dir(out_dir, result.project, (CONFIG_NAME, DIFF_NAME)))
     written = write_files(result, out_dir)
-    config = out_dir / CONFIG_NAME
     header = (
         f"# Knobs autotune injected into {script_display}. Every value is the default, which reproduces the\n"
         "# original script exactly. Change a value (one of its choices) to try it, or run `autotune search`.\n"
     )
     doc = {"script": script_display, "knobs": knob_table(result.knobs)}
-    config.write_text(header + yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    diff = out_dir / DIFF_NAME
-    diff.write_text(result.diff(), encoding="utf-8")
+    config = files.write_file(out_dir / CONFIG_NAME, header + yaml.safe_dump(doc, sort_keys=False))
+    diff = files.write_file(out_dir / DIFF_NAME, result.diff())
     return [*written, config, diff]
 
 
-def _backup_path(path: Path) -> Path:
-    """``<file>.orig``, or ``<file>.orig.N`` when an earlier backup exists: the first original is never lost."""
-    backup = path.with_name(path.name + ".orig")
-    n = 1
-    while backup.exists():
-        backup = path.with_name(f"{path.name}.orig.{n}")
-        n += 1
-    return backup
-
-
 def write_in_place(result: PatchResult) -> list[Path]:
-    """Overwrite the user's changed files, each after keeping ``<file>.orig``; autotune.yaml beside the entry."""
+    """Overwrite the user's changed files, each after keeping ``<file>.orig``, and autotune.yaml beside the entry:
+    all of them or, should one fail, none."""
     import yaml
 
-    written = []
-    for f in result.files:
-        if not f.changed:
-            continue
-        shutil.copy2(f.facts.path, _backup_path(f.facts.path))
-        f.facts.path.write_text(f.new_text, encoding="utf-8")
-        written.append(f.facts.path)
-    config = result.project.root / CONFIG_NAME
-    if config.exists():
-        shutil.copy2(config, _backup_path(config))
     doc = {"script": result.project.entry.display, "knobs": knob_table(result.knobs)}
-    config.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    return [*written, config]
+    changes = [(f.facts.path, f.new_text) for f in result.files if f.changed]
+    changes.append((result.project.root / CONFIG_NAME, yaml.safe_dump(doc, sort_keys=False)))
+    return files.replace_all(changes)
 
 
 def patch_path(path: Path, only=None, skip=None, mode: Mode = Mode()) -> PatchResult:

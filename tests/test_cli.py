@@ -96,7 +96,7 @@ def test_patch_writes_outputs_and_leaves_original_alone(in_tmp, capsys):
     original = script.read_text()
     assert main(["patch", "train.py"]) == 0
     out = in_tmp / "autotune-out"
-    assert {p.name for p in out.iterdir()} == {"train.py", "autotune.yaml", "patch.diff"}
+    assert {p.name for p in out.iterdir()} == {"train.py", "autotune.yaml", "patch.diff", ".autotune-out"}
     assert script.read_text() == original
     diff = (out / "patch.diff").read_text()
     assert diff.startswith("--- a/train.py\n+++ b/train.py\n")

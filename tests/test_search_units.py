@@ -289,7 +289,7 @@ def test_search_never_writes_over_the_users_files(capsys, tmp_path):
     other.mkdir()
     (other / "train.py").write_text("# my own file\n")
     rc, err = _cli(["search", str(script), "--out", str(other)], capsys)
-    assert rc == 2 and "was not written by autotune" in err
+    assert rc == 2 and "was not made by autotune" in err
     assert (other / "train.py").read_text() == "# my own file\n"
 
 

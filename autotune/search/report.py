@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import platform
 import shlex
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from autotune import __version__
-from autotune.bake import DIFF_NAME, bake, write_baked
+from autotune.bake import DIFF_NAME, bake, check_out_dir, write_baked
+from autotune.files import write_file
 from autotune.patch import CONFIG_NAME
 from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
@@ -180,8 +182,7 @@ def _baseline_reason(o: SearchOutcome) -> str:
 
 def write_outputs(o: SearchOutcome) -> Written:
     """Bake the chosen configuration and write every output file into the output folder."""
-    out = o.options.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_out_dir(o.options.out, o.project, (REPORT_NAME, PLOT_NAME))  # again: the search took a while
     chosen = o.chosen
     baked = bake(o.project, chosen, o.device)
     entry_rel = baked.files[0].rel
@@ -194,8 +195,7 @@ def write_outputs(o: SearchOutcome) -> Written:
     )
     files = write_baked(baked, out, doc, header)
     plot, skipped = write_plot(o, out / PLOT_NAME)
-    report = out / REPORT_NAME
-    report.write_text(report_markdown(o, doc, plot, skipped), encoding="utf-8")
+    report = write_file(out / REPORT_NAME, report_markdown(o, doc, plot, skipped))
     files += [p for p in (plot, report) if p is not None]
     return Written(tuple(files), out / entry_rel, plot, skipped, doc["changed"])
 
@@ -436,8 +436,10 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
     plt.close(fig)
+    write_file(path, image.getvalue())
     return path, None
 
 

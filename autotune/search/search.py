@@ -18,6 +18,7 @@ from typing import Any
 from autotune.analysis import RUNTIME_ALIAS, Project, load_project
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.bake import bake, check_out_dir
+from autotune.files import claim_out_dir
 from autotune.patch import PatchResult, run, select
 from autotune.search.gate import Noise, judge, measure_noise
 from autotune.search.live import QuietDisplay
@@ -299,7 +300,9 @@ class Search:
             self.space = build_space(self.patch.knobs, self.device, wanted)
             start, expensive = start_of(self.device, wanted, options.space is not None)
         self.strategy = StrongStart(self.space, start, expensive)
-        self.out = check_out_dir(options.out, self.project)
+        from autotune.search.report import PLOT_NAME, REPORT_NAME  # (not at the top: report.py imports this module)
+
+        self.out = check_out_dir(options.out, self.project, (REPORT_NAME, PLOT_NAME))
         self.fingerprint = fingerprint(self.patch, options, self.device, self.space)
         self.study_name = options.study_name or f"{options.script.stem}-{self.fingerprint[:12]}"
         self.storage_desc = options.storage or str(self.out / DB_NAME)
@@ -351,7 +354,7 @@ class Search:
             )
         self.started = self.clock()
         self.deadline = self.started + self.o.budget if self.o.budget else math.inf
-        self.out.mkdir(parents=True, exist_ok=True)
+        claim_out_dir(self.out)
         lock = _Lock(self.out)
         env = dict(self.o.env)
         if self.device == "cpu":

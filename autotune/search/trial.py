@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -296,6 +297,86 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+# Every process a trial starts is ended with it. A process group is not enough: a child that calls setsid()
+# leaves it, and once its parent exits it is re-parented to init, out of sight. So the search makes itself a
+# child subreaper (prctl, Linux 3.4+, no privileges needed): a trial's orphans are re-parented to the search
+# instead, and after a trial every process below the search that was not there before is one the trial started,
+# however it forked or whichever session it moved to. (A cgroup per trial would hold them too, but needs a
+# delegated, writable cgroup v2 tree, which an unprivileged user seldom has; watching the tree while the trial
+# runs misses a child that double-forks between two looks.)
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+REAP_S = 10.0  # how long killed processes get to be gone (a GPU process may take seconds to exit)
+
+
+def _subreaper(on: bool | None = None) -> bool:
+    """Whether this process is a child subreaper, after making it one (``on``) or not; False where it cannot be."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if on is not None and libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+            return False
+        flag = ctypes.c_int(0)
+        return libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and bool(flag.value)
+    except (OSError, AttributeError):
+        return False
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """Each process's parent id and state letter, from /proc (empty where there is none)."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+                state, ppid = stat[stat.rindex(b")") + 2 :].split()[:2]  # the name in (...) may hold spaces
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            table[int(name)] = (int(ppid), state.decode())
+    return table
+
+
+def _descendants(table: Mapping[int, tuple[int, str]], root: int, skip: set[int]) -> list[int]:
+    """The processes below ``root`` in ``table``, leaving out the subtrees of ``skip``."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [p for p in children.get(root, ()) if p not in skip]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def _end_descendants(skip: set[int], trial_pid: int) -> None:
+    """SIGKILL every process below this one but ``skip`` (the children it had before the trial), reaping each that
+    became its child, until none is left; ``trial_pid`` is left for its Popen to reap."""
+    me = os.getpid()
+    deadline = time.monotonic() + REAP_S
+    while True:
+        table = _process_table()
+        left = [p for p in _descendants(table, me, skip) if not (p == trial_pid and table[p][1] == "Z")]
+        if not left or time.monotonic() > deadline:
+            return
+        for pid in left:
+            ppid, state = table[pid]
+            if state != "Z":
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            if ppid == me and pid != trial_pid:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.01)
+
+
 def _tail(path: Path, chars: int = STDERR_TAIL_CHARS) -> str:
     try:
         with open(path, "rb") as f:
@@ -326,6 +407,8 @@ class Runner:
         self.entry = self.script_dir / patch.files[0].rel
         self.knob_names = {k.name for k in patch.knobs}
         self._count = 0
+        self._was_subreaper = _subreaper()
+        self.subreaper = self._was_subreaper or _subreaper(True)
 
     def run(
         self,
@@ -363,6 +446,7 @@ class Runner:
         timed_out = hung_at_exit = False
         reported = functools.partial(_ranks_reported, tdir) if s.launcher else result_path.exists
         # output goes to files, not pipes: a pipe stays open as long as any orphaned DataLoader worker holds it
+        others = {p for p, (ppid, _) in _process_table().items() if ppid == os.getpid()}
         with open(tdir / "stdout.log", "wb") as out, open(tdir / "stderr.log", "wb") as err:
             proc = subprocess.Popen(
                 cmd, cwd=s.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
@@ -370,10 +454,11 @@ class Runner:
             try:
                 if on_start is not None:
                     on_start(proc.pid)
-                rc, timed_out, hung_at_exit = self._wait(proc, reported, timeout, lambda: self._stop(proc, tdir))
+                stop = functools.partial(self._stop, proc, tdir, others)
+                rc, timed_out, hung_at_exit = self._wait(proc, reported, timeout, stop)
             finally:
                 # whatever happened (an interrupt included), nothing the trial started outlives it
-                self._stop(proc, tdir)
+                self._stop(proc, tdir, others)
         wall = time.perf_counter() - started
         if s.launcher:
             result = merge_ranks(_rank_results(tdir))
@@ -443,12 +528,13 @@ class Runner:
                 stop()
                 return proc.wait(), not in_grace, in_grace
 
-    def _stop(self, proc: subprocess.Popen, tdir: Path) -> None:
+    def _stop(self, proc: subprocess.Popen, tdir: Path, others: set[int]) -> None:
         """End the trial and everything it started.
 
         A launcher is asked first (SIGTERM: torchrun then stops its ranks, which it starts in sessions of their
-        own), then the trial's process group is killed, and then each rank's own group, by the ids the ranks
-        wrote: what a launcher that did not stop in time left behind.
+        own), then the trial's process group is killed, then each rank's own group, by the ids the ranks wrote
+        (what a launcher that did not stop in time left behind), and then every process below the search but
+        ``others`` (its children from before the trial): what left the groups, found as the subreaper's.
         """
         try:
             if self.settings.launcher and proc.poll() is None:
@@ -463,11 +549,14 @@ class Runner:
             for f in pids.iterdir() if pids.is_dir() else ():
                 if f.name.isdigit():
                     _kill_group(int(f.name))
+            _end_descendants(others, proc.pid)
             if proc.poll() is None:
                 proc.wait()
 
     def cleanup(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
+        if self.subreaper and not self._was_subreaper:
+            _subreaper(False)
 
 
 def stderr_summary(text: str, lines: int = 3) -> str:
