@@ -24,6 +24,9 @@ A, P, N = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE
         ("already_channels_last", [P, P]),
         ("no_conv", [N]),
         ("inference_only", [N]),
+        ("arch_branches", [A, A]),  # one model whichever branch builds it, then its input
+        ("weights_init", [A, A, A, N, N, N]),  # netD, netG, netD's real batch; generated inputs are not batches
+        ("dropout_mnist", [N]),
     ],
 )
 def test_sites(name, expected):
@@ -37,6 +40,31 @@ def test_reasons():
     ]
     assert [s.reason for s in sites(T, "no_conv")] == ["MLP has no 2-D convolutions"]
     assert [s.reason for s in sites(T, "inference_only")] == ["model is not trained in a training loop"]
+    assert sites(T, "arch_branches")[0].reason == "SmallResNet or TinyVGG has 2-D convolutions"
+    (dropout,) = sites(T, "dropout_mnist")
+    assert dropout.reason.startswith("Net has dropout: in train mode dropout draws its mask in memory order")
+
+
+def test_model_chosen_in_branches_is_converted_once_after_all_of_them():
+    text = patched(T, "arch_branches")
+    assert text.count("model = _autotune.channels_last(model)") == 1
+    assert "    model = model.to(device)\n    model = _autotune.channels_last(model)\n" in text
+
+
+def test_conversion_follows_the_scripts_own_weight_initialisation():
+    text = patched(T, "weights_init")
+    assert "    netG.apply(weights_init)\n    netG = _autotune.channels_last(netG)\n" in text
+    assert "    netD.apply(weights_init)\n    netD = _autotune.channels_last(netD)\n" in text
+
+
+def test_dropout_after_the_flatten_does_not_count():
+    from autotune.analysis import load_project
+    from autotune.patch import run, select
+    from pathlib import Path
+
+    cnn = Path(__file__).resolve().parent.parent / "fixtures" / "scripts" / "cnn.py"  # Dropout in its linear head
+    model = next(s for s in run(load_project(cnn), select([T]), hooks=False).sites if "convolutions" in s.reason)
+    assert model.status is A
 
 
 def test_conversion_follows_the_device_move_and_the_batch_copy():
@@ -77,7 +105,7 @@ def test_runtime_converts_modules_and_4d_tensors_only(knob):
     assert runtime.channels_last("not a tensor") == "not a tensor"
 
 
-CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param"]
+CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init"]
 
 
 @pytest.mark.slow
@@ -99,3 +127,12 @@ def test_losses_on_cuda(tmp_path, name):
     knobs = {"channels_last.enabled": True}
     on = losses(tmp_path, "on", gated, knobs, device="cuda")
     assert_same_losses(losses(tmp_path, "baked", baked(T, name, knobs, device="cuda")), on, "cuda")
+
+
+@pytest.mark.slow
+def test_knob_on_keeps_the_weights_the_script_initialised(tmp_path):
+    """Converted before ``apply(weights_init)``, ``normal_()`` would fill the NHWC weights in memory order: other
+    weights, losses apart from the first step. Converted after it, only floating-point reordering is left."""
+    base = [float.fromhex(v) for v in original(tmp_path, T, "weights_init")]
+    on = losses(tmp_path, "on", patched(T, "weights_init"), {"channels_last.enabled": True})
+    assert [float.fromhex(v) for v in on] == pytest.approx(base, rel=1e-4)
