@@ -136,3 +136,19 @@ def test_knob_on_keeps_the_weights_the_script_initialised(tmp_path):
     base = [float.fromhex(v) for v in original(tmp_path, T, "weights_init")]
     on = losses(tmp_path, "on", patched(T, "weights_init"), {"channels_last.enabled": True})
     assert [float.fromhex(v) for v in on] == pytest.approx(base, rel=1e-4)
+
+
+def test_model_zoo_converts_the_trained_network_not_the_test_functions():
+    """``from models import *`` re-exports ResNet18 from models/resnet.py; each model file has a ``test()`` that
+    builds a net of its own: only the network train.py trains is converted and compiled."""
+    from pathlib import Path
+
+    from autotune.analysis import load_project
+    from autotune.patch import run, select
+
+    zoo = Path(__file__).resolve().parent.parent / "fixtures" / "scripts" / "cifar_zoo" / "train.py"
+    result = run(load_project(zoo), select([T, "compile"]), hooks=False)
+    changed = {f.rel.as_posix(): f.new_text for f in result.files if f.changed}
+    assert list(changed) == ["train.py"]
+    assert "    start_epoch = checkpoint['epoch']\nnet = _autotune.channels_last(net)\n_autotune.compile_model(net)\n" in changed["train.py"]
+    assert [s.reason for s in result.sites if s.transform == T][0] == "ResNet18() has 2-D convolutions"
