@@ -132,7 +132,8 @@ def took_effect(*names: str) -> None:
 
 def applied() -> list[str]:
     """The knobs that took effect in this process so far, in the order they first did."""
-    return list(_applied)
+    nccl = _nccl_set if _nccl_set and _nccl_running() else []
+    return list(dict.fromkeys([*_applied, *nccl]))
 
 
 def reset() -> None:
@@ -140,6 +141,7 @@ def reset() -> None:
     global _values, _device
     _values, _device = None, None
     _applied.clear()
+    _nccl_set.clear()
 
 
 def device_type() -> str:
@@ -586,10 +588,24 @@ def nccl_env(script_sets: tuple[str, ...] = ()) -> None:
     A variable already in the environment, or one the script sets itself (named in ``script_sets``), is left alone.
     """
     for setting, (var, _) in NCCL_ENV.items():
-        value = knob(f"nccl_env.{setting}", "default")
-        if value == "default" or var in script_sets:
+        value = knob(f"nccl_env.{setting}", "default", record=False)
+        if value == "default" or var in script_sets or var in os.environ:
             continue
-        os.environ.setdefault(var, nccl_env_value(setting, value))
+        os.environ[var] = nccl_env_value(setting, value)
+        _nccl_set.append(f"nccl_env.{setting}")
+
+
+_nccl_set: list[str] = []  # the nccl_env knobs whose variable this process set: applied once NCCL runs
+
+
+def _nccl_running() -> bool:
+    """Whether this process has a process group on the NCCL backend (the variables only matter to one)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    try:
+        return bool(dist and dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower())
+    except (RuntimeError, ValueError):  # pragma: no cover - a group torn down meanwhile
+        return False
 
 
 # --- trial protocol ----------------------------------------------------------------------------------------

@@ -85,3 +85,19 @@ def test_trial_result_says_whether_channels_last_reached_the_model(tmp_path, arc
     r = json.loads(result.read_text())
     assert r["status"] == "ok"
     assert r["applied"] == (["channels_last.enabled"] if reached else [])
+
+
+def test_nccl_variables_count_only_under_an_nccl_process_group(knobs, monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    for var in ("NCCL_ALGO", "NCCL_MIN_NCHANNELS", "NCCL_BUFFSIZE"):
+        monkeypatch.delenv(var, raising=False)
+    knobs(nccl_env__algo="ring")
+    runtime.nccl_env()
+    assert os.environ["NCCL_ALGO"] == "Ring"
+    assert runtime.applied() == []  # set, but nothing reads it yet
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert runtime.applied() == []  # a gloo group never reads NCCL's variables
+    finally:
+        dist.destroy_process_group()
