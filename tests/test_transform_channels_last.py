@@ -11,7 +11,7 @@ from autotune import runtime
 from autotune.transform import Status
 
 T = "channels_last"
-A, P, N = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE
+A, P, N, U = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE, Status.USER
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,7 @@ A, P, N = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE
         ("arch_branches", [A, A]),  # one model whichever branch builds it, then its input
         ("weights_init", [A, A, A, N, N, N]),  # netD, netG, netD's real batch; generated inputs are not batches
         ("dropout_mnist", [N]),
+        ("memory_format_flag", [U, U]),  # a flag in a variable, applied to the model and in the collate function
     ],
 )
 def test_sites(name, expected):
@@ -41,6 +42,10 @@ def test_reasons():
     assert [s.reason for s in sites(T, "no_conv")] == ["MLP has no 2-D convolutions"]
     assert [s.reason for s in sites(T, "inference_only")] == ["model is not trained in a training loop"]
     assert sites(T, "arch_branches")[0].reason == "SmallResNet or TinyVGG has 2-D convolutions"
+    model, batches = sites(T, "memory_format_flag")
+    assert model.reason == "model: memory_format=memory_format is the script's choice"
+    assert batches.reason.startswith("input images: the script sets the batches' memory format (")
+    assert batches.reason.endswith("memory_format_flag.in.py:21)")
     (dropout,) = sites(T, "dropout_mnist")
     assert dropout.reason.startswith("Net has dropout: in train mode dropout draws its mask in memory order")
 

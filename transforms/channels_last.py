@@ -14,7 +14,9 @@ from autotune.transforms._sites import (
     Region,
     h2d_copy,
     is_module_ctor,
+    is_module_expr,
     local_classes,
+    module_names,
     strip_module_chain,
     training_regions,
 )
@@ -63,7 +65,7 @@ class _Model:
     label: str  # what it is, for reports ("Net", "nn.Sequential")
     conv: bool
     dropout: bool = False  # it applies element-wise dropout somewhere
-    converted: bool = False  # the script (or autotune) already makes it channels_last
+    converted: tuple[Status, str] | None = None  # the script (or autotune) already sets its memory format: why
     inputs: list[tuple[ModuleFacts, cst.Call]] = field(default_factory=list)  # its forward calls in the loop
 
 
@@ -103,7 +105,7 @@ class ChannelsLast(Transform):
                 self.report(facts, model.site, Status.NOT_APPLICABLE, f"{model.label} has no 2-D convolutions")
                 continue
             if model.converted:
-                self.report(facts, model.site, Status.PRESENT, f"{model.name} is already channels_last")
+                self.report(facts, model.site, *model.converted)
                 continue
             if model.dropout:
                 self.report(facts, model.site, Status.NOT_APPLICABLE, f"{model.label} has dropout: {DROPOUT_REASON}")
@@ -184,19 +186,35 @@ class ChannelsLast(Transform):
                     return True
         return False
 
-    def _converted(self, model: _Model) -> bool:
+    def _converted(self, model: _Model) -> tuple[Status, str] | None:
         facts = model.facts  # a name is compared in its own file: `net` in another file is another model
         for call in facts.calls:
             if facts.is_runtime_call(call, "channels_last") and call.args:
                 if facts.code(call.args[0].value) == model.name:
-                    return True
-            if _is_channels_last(facts, call):
+                    return Status.PRESENT, f"{model.name} is already channels_last"
+            fmt = _memory_format(facts, call)
+            if fmt is None:
+                continue
+            func = call.func
+            if any(facts.contains(s, call) for s in (*model.builds, model.anchor)) or (
+                isinstance(func, cst.Attribute) and facts.code(func.value) == model.name
+            ):
+                if fmt == "torch.channels_last":
+                    return Status.PRESENT, f"{model.name} is already channels_last"
+                return Status.USER, f"{model.name}: memory_format={fmt} is the script's choice"
+        return None
+
+    def _script_converts_batches(self) -> tuple[ModuleFacts, cst.Call] | None:
+        """A tensor the script itself gives a memory format (in a collate function, a prefetcher, a transform)."""
+        names = module_names(self.project)
+        for facts in self.project.modules:
+            for call in facts.calls:
                 func = call.func
-                if any(facts.contains(s, call) for s in (*model.builds, model.anchor)):
-                    return True
-                if isinstance(func, cst.Attribute) and facts.code(func.value) == model.name:
-                    return True
-        return False
+                if _memory_format(facts, call) is None or not isinstance(func, cst.Attribute):
+                    continue
+                if func.attr.value == "contiguous" or not is_module_expr(self.project, facts, func.value, names):
+                    return facts, call
+        return None
 
     # --- inputs ---------------------------------------------------------------------------------------------
 
@@ -214,6 +232,11 @@ class ChannelsLast(Transform):
                 owner = next(o for f, o in regions if f is facts and f.contains(o, call))
                 if self._input_converted(facts, owner, x):
                     self.report(facts, call, Status.PRESENT, f"input {x} is already channels_last")
+                    continue
+                own = self._script_converts_batches() if model.converted else None
+                if own is not None:  # a model the script converts is fed the batches it converts
+                    where = f"{own[0].display}:{own[0].position(own[1])[0]}"
+                    self.report(facts, call, Status.USER, f"input {x}: the script sets the batches' memory format ({where})")
                     continue
                 place = self._input_place(facts, owner, call, x)
                 if place is None:
@@ -320,8 +343,19 @@ def _after_flatten(facts: ModuleFacts, fn: cst.FunctionDef, node: cst.CSTNode) -
 
 
 def _is_channels_last(facts: ModuleFacts, call: cst.Call) -> bool:
+    return _memory_format(facts, call) is not None
+
+
+def _memory_format(facts: ModuleFacts, call: cst.Call) -> str | None:
+    """The memory format a call sets, as written: ``torch.channels_last``, or an expression the script chooses it
+    with (``memory_format`` = a flag); None without one, or for the default formats."""
     arg = keyword(call, "memory_format")
-    return arg is not None and facts.qualname(arg.value) == "torch.channels_last"
+    if arg is None:
+        return None
+    qual = facts.qualname(arg.value)
+    if qual in ("torch.contiguous_format", "torch.preserve_format"):
+        return None
+    return qual if qual == "torch.channels_last" else " ".join(facts.code(arg.value).split())
 
 
 def _assigns_copy(facts: ModuleFacts, assign: cst.Assign, x: str) -> bool:
