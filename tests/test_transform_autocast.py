@@ -268,3 +268,15 @@ def test_each_dtype_trains_and_bakes_to_the_same_losses(tmp_path, original, name
     baked_text = _text(name, dtype)
     assert "autotune" not in baked_text
     assert _losses(tmp_path, "baked", baked_text, steps) == patched
+
+
+def test_a_with_ctx_that_is_the_scripts_autocast_is_not_wrapped_again(tmp_path):
+    """nanoGPT: ``ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(...)``, then ``with ctx:``
+    around the forward: the loop already autocasts, and a second region around it is a false site."""
+    sites = list(_result("ctx_variable").sites)
+    assert [s.status for s in sites] == [Status.PRESENT] * 3
+    assert sites[-1].reason == f"the loop already autocasts ({_case('ctx_variable')}:13)"
+    text = _text("ctx_variable")
+    assert "_autotune.autocast()" not in text
+    original = _losses(tmp_path, "original", _case("ctx_variable").read_text(), steps=4)
+    assert _losses(tmp_path, "default", text, steps=4) == original

@@ -371,11 +371,29 @@ def _autocast_in_reach(project: Project, loop: TrainingLoop) -> tuple[ModuleFact
         for call in facts.calls_in(node):
             if _enabled_autocast(facts, call) and not facts.is_runtime_call(call):
                 return facts, call
+        for with_ in facts.nodes_in(node, cst.With):
+            found = _autocast_context(facts, with_)
+            if found is not None:
+                return facts, found
             if depth < 3:
                 target = project.local_target(facts, call)
                 if target is not None and target[1] not in seen:
                     seen.add(target[1])
                     queue.append((target[0], target[1], depth + 1))
+    return None
+
+
+def _autocast_context(facts: ModuleFacts, with_: cst.With) -> cst.Call | None:
+    """The autocast a ``with ctx:`` enters, where ``ctx`` is a variable the file binds to an autocast (nanoGPT's
+    ``ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(...)``)."""
+    for item in with_.items:
+        if not isinstance(item.item, cst.Name):
+            continue
+        for assign in facts.assigns:
+            if any(isinstance(t.target, cst.Name) and t.target.value == item.item.value for t in assign.targets):
+                found = next((c for c in facts.calls_in(assign.value) if _enabled_autocast(facts, c)), None)
+                if found is not None:
+                    return found
     return None
 
 
