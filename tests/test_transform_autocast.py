@@ -280,3 +280,13 @@ def test_a_with_ctx_that_is_the_scripts_autocast_is_not_wrapped_again(tmp_path):
     assert "_autotune.autocast()" not in text
     original = _losses(tmp_path, "original", _case("ctx_variable").read_text(), steps=4)
     assert _losses(tmp_path, "default", text, steps=4) == original
+
+
+def test_a_scaler_without_an_autocast_region_is_not_put_under_the_knob():
+    """bf16 would only have switched the script's GradScaler off: nothing autocasts where the training runs."""
+    scaler, loss = _result("scaler_no_region").sites
+    assert scaler.status is Status.NOT_APPLICABLE
+    assert scaler.reason == "torch.cuda.amp.GradScaler(...): no autocast region the knob could switch to bf16, so it stays"
+    assert loss.status is Status.NOT_APPLICABLE
+    assert not _result("scaler_no_region").knobs
+    assert _text("scaler_no_region") == _case("scaler_no_region").read_text()

@@ -205,6 +205,14 @@ class Autocast(Transform):
         seen: set[cst.Call] = set()
         for loop in project.loops:
             self._plan_loop(loop, plans, bool(scalers), seen)
+        if not any(p.autocasts or p.wraps for p in plans.values()):
+            # bf16 would only turn the scaler off: no autocast region the knob controls runs in the training
+            for facts, call in scalers:
+                plan = plans[facts]
+                if call in plan.scalers:
+                    plan.scalers.remove(call)
+                    reason = f"{_short(facts, call)}: no autocast region the knob could switch to bf16, so it stays"
+                    plan.reports = [(n, st, r) if n is not call else (n, Status.NOT_APPLICABLE, reason) for n, st, r in plan.reports]
         return plans
 
     def _plan_loop(self, loop: TrainingLoop, plans: dict[ModuleFacts, _Plan], has_scaler: bool, seen: set) -> None:
