@@ -27,7 +27,8 @@ A, P, N, U = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE, Status.US
         ("arch_branches", [A, A]),  # one model whichever branch builds it, then its input
         ("weights_init", [A, A, A, N, N, N]),  # netD, netG, netD's real batch; generated inputs are not batches
         ("dropout_mnist", [N]),
-        ("memory_format_flag", [U, U]),  # a flag in a variable, applied to the model and in the collate function
+        ("memory_format_flag", [U, U]),
+        ("trainer_attribute", [A, A]),  # self.model of a trainer class, after its init_weights  # a flag in a variable, applied to the model and in the collate function
     ],
 )
 def test_sites(name, expected):
@@ -60,6 +61,14 @@ def test_conversion_follows_the_scripts_own_weight_initialisation():
     text = patched(T, "weights_init")
     assert "    netG.apply(weights_init)\n    netG = _autotune.channels_last(netG)\n" in text
     assert "    netD.apply(weights_init)\n    netD = _autotune.channels_last(netD)\n" in text
+
+
+def test_a_trainer_class_converts_its_own_model_after_initialising_it():
+    text = patched(T, "trainer_attribute")
+    assert (
+        "        self.model.apply(init_weights)\n        self.model = _autotune.channels_last(self.model)\n"
+        "        self.optimizer = " in text
+    )
 
 
 def test_dropout_after_the_flatten_does_not_count():
@@ -110,7 +119,7 @@ def test_runtime_converts_modules_and_4d_tensors_only(knob):
     assert runtime.channels_last("not a tensor") == "not a tensor"
 
 
-CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init"]
+CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init", "trainer_attribute"]
 
 
 @pytest.mark.slow

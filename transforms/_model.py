@@ -132,9 +132,16 @@ def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.C
             continue
         if before is not None and facts._enter[assign] >= facts._enter[before]:
             continue
-        if any(is_name(t.target, name) for t in assign.targets):
+        if any(binds(facts, t.target, name) for t in assign.targets):
             out.append(assign)
     return out
+
+
+def binds(facts: ModuleFacts, target: cst.BaseExpression, name: str) -> bool:
+    """Whether an assignment target is ``name``: a variable, or an attribute chain (``self.model``)."""
+    if "." in name:
+        return isinstance(target, cst.Attribute) and facts.code(target) == name
+    return is_name(target, name)
 
 
 def unique_name(facts: ModuleFacts, scope: cst.CSTNode, *candidates: str) -> str:
@@ -508,6 +515,8 @@ class Training:
                 if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
                     if isinstance(func.value, cst.Name):
                         yield scope_of(facts, ctor), func.value.value, ctor
+                    elif self_attr(func.value) is not None:  # a trainer class's own ``self.model``
+                        yield scope_of(facts, ctor), facts.code(func.value), ctor
         trainers = self.trainers()
         for loop in project.loops:
             if loop.module is not facts:
@@ -607,7 +616,7 @@ class Training:
         for s in body[body.index(node) + 1 :]:
             if facts.contains(s, use) or self._starts_training(facts, s) or self._wraps(facts, s, name):
                 break
-            if any(n.value == name and not _reads_only(facts, n) for n in facts.nodes_in(s, cst.Name)):
+            if any(not _reads_only(facts, n) for n in _mentions(facts, s, name)):
                 point = s
         return point
 
@@ -629,7 +638,7 @@ class Training:
     def _wraps(facts: ModuleFacts, s: cst.BaseStatement, name: str) -> bool:
         """Whether ``s`` rebinds ``name`` to a DDP/FSDP wrapper (on some path)."""
         return any(
-            _wrapper(facts, a) == "dist" and any(is_name(t.target, name) for t in a.targets)
+            _wrapper(facts, a) == "dist" and any(binds(facts, t.target, name) for t in a.targets)
             for a in facts.nodes_in(s, cst.Assign)
         )
 
@@ -638,7 +647,13 @@ class Training:
 _READERS = {"parameters", "named_parameters", "state_dict", "buffers", "named_buffers"}
 
 
-def _reads_only(facts: ModuleFacts, name: cst.Name) -> bool:
+def _mentions(facts: ModuleFacts, s: cst.CSTNode, name: str) -> list[cst.BaseExpression]:
+    if "." in name:
+        return [a for a in facts.nodes_in(s, cst.Attribute) if facts.code(a) == name]
+    return [n for n in facts.nodes_in(s, cst.Name) if n.value == name]
+
+
+def _reads_only(facts: ModuleFacts, name: cst.BaseExpression) -> bool:
     parent = facts.parent(name)
     return isinstance(parent, cst.Attribute) and parent.value is name and parent.attr.value in _READERS
 
