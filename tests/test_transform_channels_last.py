@@ -28,7 +28,8 @@ A, P, N, U = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE, Status.US
         ("weights_init", [A, A, A, N, N, N]),  # netD, netG, netD's real batch; generated inputs are not batches
         ("dropout_mnist", [N]),
         ("memory_format_flag", [U, U]),
-        ("trainer_attribute", [A, A]),  # self.model of a trainer class, after its init_weights  # a flag in a variable, applied to the model and in the collate function
+        ("trainer_attribute", [A, A]),
+        ("imagenet_arch", [A, A]),  # models.__dict__[args.arch](...) in both branches, DataParallel on the GPU  # self.model of a trainer class, after its init_weights  # a flag in a variable, applied to the model and in the collate function
     ],
 )
 def test_sites(name, expected):
@@ -119,7 +120,7 @@ def test_runtime_converts_modules_and_4d_tensors_only(knob):
     assert runtime.channels_last("not a tensor") == "not a tensor"
 
 
-CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init", "trainer_attribute"]
+CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init", "trainer_attribute"]  # imagenet_arch needs torchvision
 
 
 @pytest.mark.slow

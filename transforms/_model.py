@@ -234,6 +234,16 @@ def find_class(project: Project, qual: str | None, depth: int = 0) -> ClassRef |
     return None
 
 
+def zoo_factory(facts: ModuleFacts, call: cst.Call) -> str | None:
+    """``models.__dict__[args.arch]()`` (the ImageNet example's pick by name) -> ``torchvision.models.<arch>``."""
+    func = call.func
+    if isinstance(func, cst.Subscript) and isinstance(func.value, cst.Attribute) and func.value.attr.value == "__dict__":
+        owner = facts.qualname(func.value.value) or ""
+        if owner in ("torchvision.models", "timm.models"):
+            return f"{owner}.<arch>"
+    return None
+
+
 def find_function(project: Project, qual: str | None) -> tuple[ModuleFacts, cst.FunctionDef] | None:
     if not qual:
         return None
@@ -274,7 +284,7 @@ def model_class(project: Project, facts: ModuleFacts, scope: cst.CSTNode, expr: 
         return None
     if not isinstance(expr, cst.Call):
         return None
-    qual = facts.qualname(expr.func)
+    qual = facts.qualname(expr.func) or zoo_factory(facts, expr)
     ref = find_class(project, qual)
     if ref is not None:
         return ref
@@ -458,7 +468,7 @@ DIST_WRAPPERS = {
 
 def _wrapper(facts: ModuleFacts, assign: cst.Assign) -> str | None:
     """``"dp"`` or ``"dist"`` when ``assign`` wraps a model for data parallelism."""
-    value = assign.value
+    value = strip_module_chain(assign.value)  # ``DataParallel(model).cuda()``
     qual = facts.qualname(value.func) if isinstance(value, cst.Call) else None
     return "dp" if qual in DATA_PARALLEL else "dist" if qual in DIST_WRAPPERS else None
 

@@ -9,7 +9,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, keyword, stmt
-from autotune.transforms._model import bound_names, self_attr, training
+from autotune.transforms._model import bound_names, self_attr, training, zoo_factory
 from autotune.transforms._sites import (
     Region,
     h2d_copy,
@@ -140,7 +140,7 @@ class ChannelsLast(Transform):
         return models
 
     def _label(self, facts: ModuleFacts, call: cst.Call) -> str:
-        label = facts.code(call.func) if isinstance(call.func, (cst.Name, cst.Attribute)) else facts.code(call)
+        label = facts.code(call.func)
         return label if is_module_ctor(self.project, facts, call) else label + "()"  # a factory function
 
     def _untrained(self) -> list[tuple[ModuleFacts, cst.Call]]:
@@ -157,7 +157,7 @@ class ChannelsLast(Transform):
 
     def _has_conv(self, facts: ModuleFacts, node: cst.CSTNode, seen: set) -> bool:
         """Whether building ``node`` (a call, a class body, a function) creates a 2-D convolution."""
-        return self._builds(facts, node, lambda f, call: _is_conv(f.qualname(call.func)), seen)
+        return self._builds(facts, node, lambda f, call: _is_conv(f.qualname(call.func) or zoo_factory(f, call)), seen)
 
     def _builds(self, facts: ModuleFacts, node: cst.CSTNode, wanted, seen: set) -> bool:
         """Whether building ``node`` makes a call ``wanted(facts, call)`` accepts, through local classes (their
