@@ -196,7 +196,9 @@ def _collect(facts: ModuleFacts) -> None:
         level = len(node.relative)
         prefix = "." * level + base
         f.imported_modules.append((base, level))
-        if not isinstance(node.names, cst.ImportStar):
+        if isinstance(node.names, cst.ImportStar):
+            f.star_imports.append(f.resolve_relative(prefix))
+        else:
             for alias in node.names:
                 name = _dotted(alias.name)
                 local = _name_of(alias.asname.name) if alias.asname is not None else name
@@ -231,6 +233,7 @@ class ModuleFacts:
     tree: ast.Module
     imports: dict[str, str] = field(default_factory=dict)  # local alias -> qualified name
     imported_modules: list[tuple[str, int]] = field(default_factory=list)  # (dotted, relative level)
+    star_imports: list[str] = field(default_factory=list)  # modules named by ``from X import *``
     calls: list[cst.Call] = field(default_factory=list)  # pre-order
     loops: list[cst.For | cst.While] = field(default_factory=list)
     functions: list[cst.FunctionDef] = field(default_factory=list)
@@ -710,9 +713,52 @@ def _load_project(entry: Path) -> Project:
                 modules.append(child)
                 queue.append(child)
     project = Project(root, entry_facts, modules)
+    _resolve_star_imports(project)
     _collect_names(project)
     _find_loops(project)
     return project
+
+
+def _public_names(facts: ModuleFacts) -> list[str]:
+    """What ``from facts import *`` binds: ``__all__`` when it is a literal list or tuple, else every top-level
+    name without a leading underscore."""
+    top = facts.module.body
+    for stmt in top:
+        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Assign):
+            assign = stmt.body[0]
+            if any(isinstance(t.target, cst.Name) and t.target.value == "__all__" for t in assign.targets):
+                if isinstance(assign.value, (cst.List, cst.Tuple)):
+                    values = [e.value for e in assign.value.elements]
+                    if all(isinstance(v, cst.SimpleString) for v in values):
+                        return [v.evaluated_value for v in values]
+    names = [*facts.imports]
+    for stmt in top:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            names.append(stmt.name.value)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Assign):
+                    names.extend(t.target.value for t in small.targets if isinstance(t.target, cst.Name))
+    return [n for n in names if not n.startswith("_")]
+
+
+def _resolve_star_imports(project: Project) -> None:
+    """``from models import *`` (and ``from .resnet import *`` inside models/__init__.py): the names a local module
+    exports become imports of the importing file, so ``ResNet18()`` resolves to ``models.resnet.ResNet18``."""
+    for _ in range(4):  # stars of stars: a package re-exporting its modules
+        grew = False
+        for facts in project.modules:
+            for modname in facts.star_imports:
+                source = project.by_modname(modname)
+                if source is None or source is facts:
+                    continue
+                for name in _public_names(source):
+                    if name in facts.imports or name in facts.classes or facts.function_named(name) is not None:
+                        continue
+                    facts.imports[name] = source.imports.get(name, f"{source.modname}.{name}")
+                    grew = True
+        if not grew:
+            return
 
 
 def _collect_names(project: Project) -> None:

@@ -25,6 +25,9 @@ CONFIG_NAME = "autotune.yaml"
 
 _values: dict[str, Any] | None = None
 _device: str | None = None
+# knobs whose non-default value reached the running program: the injected code that reads them ran (the trial
+# result lists them, so a knob that was switched on where no code of it runs is not mistaken for a measurement)
+_applied: dict[str, None] = {}
 
 
 def _fail(msg: str) -> None:
@@ -109,15 +112,36 @@ def _loaded() -> dict[str, Any]:
     return _values
 
 
-def knob(name: str, default: Any) -> Any:
-    """The configured value of knob ``name``, or ``default`` when no config sets it."""
-    return _loaded().get(name, default)
+def knob(name: str, default: Any, record: bool = True) -> Any:
+    """The configured value of knob ``name``, or ``default`` when no config sets it.
+
+    A value other than the default counts as applied (see ``applied``) unless ``record`` is false: helpers whose
+    effect depends on more than the knob record it themselves, when it takes effect.
+    """
+    value = _loaded().get(name, default)
+    if record and value != default:
+        _applied.setdefault(name)
+    return value
+
+
+def took_effect(*names: str) -> None:
+    """Record knobs as applied: their helper changed the program."""
+    for name in names:
+        _applied.setdefault(name)
+
+
+def applied() -> list[str]:
+    """The knobs that took effect in this process so far, in the order they first did."""
+    nccl = _nccl_set if _nccl_set and _nccl_running() else []
+    return list(dict.fromkeys([*_applied, *nccl]))
 
 
 def reset() -> None:
     """Forget the loaded config (tests, and scripts that change AUTOTUNE_CONFIG at run time)."""
     global _values, _device
     _values, _device = None, None
+    _applied.clear()
+    _nccl_set.clear()
 
 
 def device_type() -> str:
@@ -250,11 +274,13 @@ def backend_flags(script_sets: tuple[str, ...] = ()) -> None:
 
 def channels_last(obj):
     """A module or 4-D tensor in channels_last memory format when the knob is on; anything else unchanged."""
-    if not knob("channels_last.enabled", False):
+    if not knob("channels_last.enabled", False, record=False):
         return obj
     import torch
 
     if isinstance(obj, torch.nn.Module):
+        if any(p.dim() == 4 for p in obj.parameters()):  # a model without 4-D weights stays as it was
+            took_effect("channels_last.enabled")
         return obj.to(memory_format=torch.channels_last)
     if isinstance(obj, torch.Tensor) and obj.dim() == 4:
         return obj.contiguous(memory_format=torch.channels_last)
@@ -270,16 +296,22 @@ def dataloader_kwargs(**script: Any) -> dict[str, Any]:
     Never returns ``prefetch_factor`` or ``persistent_workers=True`` with zero workers, which DataLoader rejects.
     """
     out = dict(script)
-    workers = out.setdefault("num_workers", knob("dataloader.num_workers", 0))
-    pin = knob("dataloader.pin_memory", False)
+    # a knob for a keyword the script wrote itself changes nothing: recorded only where it is used
+    workers = out.setdefault("num_workers", knob("dataloader.num_workers", 0, record=False))
+    if workers and "num_workers" not in script:
+        took_effect("dataloader.num_workers")
+    pin = knob("dataloader.pin_memory", False, record=False)
     if pin and "pin_memory" not in script:
         out["pin_memory"] = True
+        took_effect("dataloader.pin_memory")
     if workers:
-        if "persistent_workers" not in script and knob("dataloader.persistent_workers", False):
+        if "persistent_workers" not in script and knob("dataloader.persistent_workers", False, record=False):
             out["persistent_workers"] = True
-        prefetch = knob("dataloader.prefetch_factor", 2)
+            took_effect("dataloader.persistent_workers")
+        prefetch = knob("dataloader.prefetch_factor", 2, record=False)
         if "prefetch_factor" not in script and prefetch != 2:
             out["prefetch_factor"] = prefetch
+            took_effect("dataloader.prefetch_factor")
     if out["num_workers"] == 0 and "num_workers" not in script:
         del out["num_workers"]  # leave DataLoader's own default in place, as the script did
     return out
@@ -392,7 +424,7 @@ _compile_watched = False
 
 
 def _compile_kwargs() -> dict[str, Any]:
-    mode = knob("compile.mode", "none")
+    mode = knob("compile.mode", "none", record=False)
     kwargs: dict[str, Any] = {} if mode == "default" else {"mode": mode}
     dynamic = knob("compile.dynamic", "default")
     if dynamic != "default":
@@ -408,20 +440,28 @@ def compile_model(model: Any, blocks: Any = ()) -> Any:
     module of the containers at the attribute paths ``blocks`` (``["transformer.h"]``) is compiled instead;
     without such containers the whole model is.
     """
-    if knob("compile.mode", "none") == "none" or getattr(model, "_autotune_compiled", False):
+    if knob("compile.mode", "none", record=False) == "none" or getattr(model, "_autotune_compiled", False):
         return model
-    kwargs = _compile_kwargs()
     import torch._inductor.config
 
+    inner = model
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        # the wrapped model is compiled: DDP runs it as it is; DataParallel runs it itself on one device, but
+        # its replicas on several would call the original's compiled forward on another device's inputs
+        if isinstance(model, torch.nn.DataParallel) and len(model.device_ids or ()) > 1:
+            return model
+        inner = model.module
+    kwargs = _compile_kwargs()
     # eager's random numbers: inductor's own give other dropout masks, and the losses could not be compared
     torch._inductor.config.fallback_random = True
     _watch_compile_time()
     targets: list[Any] = []
-    if knob("compile.scope", "model") == "blocks":
+    if knob("compile.scope", "model", record=False) == "blocks":
         for path in blocks:
-            targets.extend(model.get_submodule(path))
-    for module in targets or [model]:
+            targets.extend(inner.get_submodule(path))
+    for module in targets or [inner]:
         module.compile(**kwargs)
+    took_effect("compile.mode", *(("compile.scope",) if targets else ()))
     model._autotune_compiled = True  # a plain attribute: not a parameter, buffer or state_dict entry
     return model
 
@@ -548,10 +588,24 @@ def nccl_env(script_sets: tuple[str, ...] = ()) -> None:
     A variable already in the environment, or one the script sets itself (named in ``script_sets``), is left alone.
     """
     for setting, (var, _) in NCCL_ENV.items():
-        value = knob(f"nccl_env.{setting}", "default")
-        if value == "default" or var in script_sets:
+        value = knob(f"nccl_env.{setting}", "default", record=False)
+        if value == "default" or var in script_sets or var in os.environ:
             continue
-        os.environ.setdefault(var, nccl_env_value(setting, value))
+        os.environ[var] = nccl_env_value(setting, value)
+        _nccl_set.append(f"nccl_env.{setting}")
+
+
+_nccl_set: list[str] = []  # the nccl_env knobs whose variable this process set: applied once NCCL runs
+
+
+def _nccl_running() -> bool:
+    """Whether this process has a process group on the NCCL backend (the variables only matter to one)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    try:
+        return bool(dist and dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower())
+    except (RuntimeError, ValueError):  # pragma: no cover - a group torn down meanwhile
+        return False
 
 
 # --- trial protocol ----------------------------------------------------------------------------------------
@@ -693,6 +747,7 @@ class _Trial:
             "error": error,
             "error_type": error_type,
             "error_types": list(error_types),  # qualified names along the exception's MRO: oom, compile errors
+            "applied": applied(),  # knobs that took effect: see took_effect
             "rank": self.rank,
             "local_rank": self.local_rank,
             "world_size": self.world_size,

@@ -167,3 +167,15 @@ def test_index_walks_the_nodes_libcst_visits_in_its_order(path, tmp_path: Path):
         visitor = _PreOrder()
         facts.module.visit(visitor)
         assert list(facts._enter) == [n for n in visitor.nodes if type(n) not in _LAYOUT]
+
+
+def test_star_imports_resolve_through_a_package(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("from .resnet import *\n")
+    (tmp_path / "models" / "resnet.py").write_text(
+        "import torch.nn as nn\n__all__ = ['ResNet18']\nclass ResNet(nn.Module):\n    pass\ndef ResNet18():\n    return ResNet()\n"
+    )
+    (tmp_path / "train.py").write_text("from models import *\nnet = ResNet18()\nx = ResNet()\n")
+    project = load_project(tmp_path / "train.py")
+    calls = project.entry.calls
+    assert [project.entry.qualname(c.func) for c in calls] == ["models.resnet.ResNet18", "ResNet"]  # not in __all__

@@ -268,3 +268,25 @@ def test_each_dtype_trains_and_bakes_to_the_same_losses(tmp_path, original, name
     baked_text = _text(name, dtype)
     assert "autotune" not in baked_text
     assert _losses(tmp_path, "baked", baked_text, steps) == patched
+
+
+def test_a_with_ctx_that_is_the_scripts_autocast_is_not_wrapped_again(tmp_path):
+    """nanoGPT: ``ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(...)``, then ``with ctx:``
+    around the forward: the loop already autocasts, and a second region around it is a false site."""
+    sites = list(_result("ctx_variable").sites)
+    assert [s.status for s in sites] == [Status.PRESENT] * 3
+    assert sites[-1].reason == f"the loop already autocasts ({_case('ctx_variable')}:13)"
+    text = _text("ctx_variable")
+    assert "_autotune.autocast()" not in text
+    original = _losses(tmp_path, "original", _case("ctx_variable").read_text(), steps=4)
+    assert _losses(tmp_path, "default", text, steps=4) == original
+
+
+def test_a_scaler_without_an_autocast_region_is_not_put_under_the_knob():
+    """bf16 would only have switched the script's GradScaler off: nothing autocasts where the training runs."""
+    scaler, loss = _result("scaler_no_region").sites
+    assert scaler.status is Status.NOT_APPLICABLE
+    assert scaler.reason == "torch.cuda.amp.GradScaler(...): no autocast region the knob could switch to bf16, so it stays"
+    assert loss.status is Status.NOT_APPLICABLE
+    assert not _result("scaler_no_region").knobs
+    assert _text("scaler_no_region") == _case("scaler_no_region").read_text()

@@ -11,7 +11,7 @@ from autotune import runtime
 from autotune.transform import Status
 
 T = "channels_last"
-A, P, N = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE
+A, P, N, U = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE, Status.USER
 
 
 @pytest.mark.parametrize(
@@ -24,6 +24,12 @@ A, P, N = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE
         ("already_channels_last", [P, P]),
         ("no_conv", [N]),
         ("inference_only", [N]),
+        ("arch_branches", [A, A]),  # one model whichever branch builds it, then its input
+        ("weights_init", [A, A, A, N, N, N]),  # netD, netG, netD's real batch; generated inputs are not batches
+        ("dropout_mnist", [N]),
+        ("memory_format_flag", [U, U]),
+        ("trainer_attribute", [A, A]),
+        ("imagenet_arch", [A, A]),  # models.__dict__[args.arch](...) in both branches, DataParallel on the GPU  # self.model of a trainer class, after its init_weights  # a flag in a variable, applied to the model and in the collate function
     ],
 )
 def test_sites(name, expected):
@@ -37,6 +43,43 @@ def test_reasons():
     ]
     assert [s.reason for s in sites(T, "no_conv")] == ["MLP has no 2-D convolutions"]
     assert [s.reason for s in sites(T, "inference_only")] == ["model is not trained in a training loop"]
+    assert sites(T, "arch_branches")[0].reason == "SmallResNet or TinyVGG has 2-D convolutions"
+    model, batches = sites(T, "memory_format_flag")
+    assert model.reason == "model: memory_format=memory_format is the script's choice"
+    assert batches.reason.startswith("input images: the script sets the batches' memory format (")
+    assert batches.reason.endswith("memory_format_flag.in.py:21)")
+    (dropout,) = sites(T, "dropout_mnist")
+    assert dropout.reason.startswith("Net has dropout: in train mode dropout draws its mask in memory order")
+
+
+def test_model_chosen_in_branches_is_converted_once_after_all_of_them():
+    text = patched(T, "arch_branches")
+    assert text.count("model = _autotune.channels_last(model)") == 1
+    assert "    model = model.to(device)\n    model = _autotune.channels_last(model)\n" in text
+
+
+def test_conversion_follows_the_scripts_own_weight_initialisation():
+    text = patched(T, "weights_init")
+    assert "    netG.apply(weights_init)\n    netG = _autotune.channels_last(netG)\n" in text
+    assert "    netD.apply(weights_init)\n    netD = _autotune.channels_last(netD)\n" in text
+
+
+def test_a_trainer_class_converts_its_own_model_after_initialising_it():
+    text = patched(T, "trainer_attribute")
+    assert (
+        "        self.model.apply(init_weights)\n        self.model = _autotune.channels_last(self.model)\n"
+        "        self.optimizer = " in text
+    )
+
+
+def test_dropout_after_the_flatten_does_not_count():
+    from autotune.analysis import load_project
+    from autotune.patch import run, select
+    from pathlib import Path
+
+    cnn = Path(__file__).resolve().parent.parent / "fixtures" / "scripts" / "cnn.py"  # Dropout in its linear head
+    model = next(s for s in run(load_project(cnn), select([T]), hooks=False).sites if "convolutions" in s.reason)
+    assert model.status is A
 
 
 def test_conversion_follows_the_device_move_and_the_batch_copy():
@@ -77,7 +120,7 @@ def test_runtime_converts_modules_and_4d_tensors_only(knob):
     assert runtime.channels_last("not a tensor") == "not a tensor"
 
 
-CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param"]
+CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init", "trainer_attribute"]  # imagenet_arch needs torchvision
 
 
 @pytest.mark.slow
@@ -99,3 +142,28 @@ def test_losses_on_cuda(tmp_path, name):
     knobs = {"channels_last.enabled": True}
     on = losses(tmp_path, "on", gated, knobs, device="cuda")
     assert_same_losses(losses(tmp_path, "baked", baked(T, name, knobs, device="cuda")), on, "cuda")
+
+
+@pytest.mark.slow
+def test_knob_on_keeps_the_weights_the_script_initialised(tmp_path):
+    """Converted before ``apply(weights_init)``, ``normal_()`` would fill the NHWC weights in memory order: other
+    weights, losses apart from the first step. Converted after it, only floating-point reordering is left."""
+    base = [float.fromhex(v) for v in original(tmp_path, T, "weights_init")]
+    on = losses(tmp_path, "on", patched(T, "weights_init"), {"channels_last.enabled": True})
+    assert [float.fromhex(v) for v in on] == pytest.approx(base, rel=1e-4)
+
+
+def test_model_zoo_converts_the_trained_network_not_the_test_functions():
+    """``from models import *`` re-exports ResNet18 from models/resnet.py; each model file has a ``test()`` that
+    builds a net of its own: only the network train.py trains is converted and compiled."""
+    from pathlib import Path
+
+    from autotune.analysis import load_project
+    from autotune.patch import run, select
+
+    zoo = Path(__file__).resolve().parent.parent / "fixtures" / "scripts" / "cifar_zoo" / "train.py"
+    result = run(load_project(zoo), select([T, "compile"]), hooks=False)
+    changed = {f.rel.as_posix(): f.new_text for f in result.files if f.changed}
+    assert list(changed) == ["train.py"]
+    assert "    start_epoch = checkpoint['epoch']\nnet = _autotune.channels_last(net)\n_autotune.compile_model(net)\n" in changed["train.py"]
+    assert [s.reason for s in result.sites if s.transform == T][0] == "ResNet18() has 2-D convolutions"

@@ -131,7 +131,11 @@ def test_model_sites_across_files():
     (site,) = result.sites
     assert site.status is Status.APPLICABLE and site.path.endswith("train.py") and "(GPT)" in site.reason
     texts = {f.rel.as_posix(): f.new_text for f in result.files}
-    assert '_autotune.compile_model(model, blocks=["blocks"])\n    if args.load:' in texts["train.py"]
+    # after the checkpoint is loaded, before the optimizer is built over the model
+    assert (
+        'map_location=device))\n    _autotune.compile_model(model, blocks=["blocks"])\n    optimizer = build_optimizer('
+        in texts["train.py"]
+    )
     assert "for step in range(steps):\n            _autotune.compile_step_begin()\n" in texts["mingpt/trainer.py"]
     assert texts["mingpt/model.py"] == (PROJECT / "mingpt" / "model.py").read_text()
 

@@ -229,3 +229,12 @@ def test_pinned_memory_on_cuda(tmp_path):
     knobs = {"dataloader.pin_memory": True}
     on = losses(tmp_path, "on", gated, knobs, device="cuda")
     assert losses(tmp_path, "baked", baked(T, "user_zero_workers", knobs, device="cuda")) == on == base
+
+
+def test_a_dataset_that_moves_items_to_the_device_keeps_its_loader():
+    """Workers cannot use CUDA and CUDA tensors cannot be pinned: the dataset reaches the loader as a parameter of
+    the trainer's __init__, and is followed back to the class its caller builds."""
+    (site,) = sites(T, "dataset_on_device")
+    assert site.status is N
+    assert site.reason.startswith("PairDataset.__getitem__ moves items to the device (self.x[idx].to(...), line 20)")
+    assert patched(T, "dataset_on_device") == case(T, "dataset_on_device").read_text()

@@ -41,11 +41,13 @@ def test_sites(name, expected):
 def test_reasons():
     (site,) = sites(T, "runtime_backend")
     assert site.reason == (
-        "NCCL_ALGO, NCCL_MIN_NCHANNELS, NCCL_BUFFSIZE before dist.init_process_group() (line 9, backend chosen at run time)"
+        "NCCL_ALGO, NCCL_MIN_NCHANNELS, NCCL_BUFFSIZE before dist.init_process_group() (line 9, backend gloo or nccl)"
     )
     user, free = sites(T, "user_sets_algo")
     assert user.reason == "the script sets NCCL_ALGO itself"
     assert free.reason.startswith("NCCL_MIN_NCHANNELS, NCCL_BUFFSIZE before")
+    (variable,) = sites(T, "gloo_variable")  # BACKEND = "gloo", or dist.Backend.GLOO: never NCCL
+    assert str(variable.status) == "not applicable"
     (gloo,) = sites(T, "gloo_only")
     assert gloo.reason == "no process group is started with the NCCL backend"
 

@@ -17,7 +17,8 @@ A, P, U, N = Status.APPLICABLE, Status.PRESENT, Status.USER, Status.NOT_APPLICAB
     "name, expected",
     [
         ("loop_copies", [N, A, A]),  # model.to(device) moves a module
-        ("get_batch", [P, P, A, A, N]),  # the pinned copies already are asynchronous
+        ("get_batch", [P, P, N, N, N]),  # pinned copies already asynchronous; the else branch runs without CUDA
+        ("device_branches", [N, A, N, N, A]),
         ("cuda_method", [N, A, A]),
         ("user_choice", [N, U, P, U]),
         ("not_copies", [N, N, N, N, N, N]),
@@ -25,6 +26,13 @@ A, P, U, N = Status.APPLICABLE, Status.PRESENT, Status.USER, Status.NOT_APPLICAB
 )
 def test_sites(name, expected):
     assert statuses(T, name) == expected
+
+
+def test_copies_in_branches_that_run_without_cuda_are_left_alone():
+    reasons = [s.reason for s in sites(T, "get_batch") if s.status is N]
+    assert reasons[0] == 'x.to(...) runs only without CUDA (under `else of if device_type == "cuda"`): nothing to overlap'
+    text = patched(T, "device_branches")
+    assert "x = x.to(device)\n" in text and "x = x.cuda(non_blocking=_autotune.non_blocking())" in text
 
 
 def test_not_applicable_reasons():
@@ -40,7 +48,7 @@ def test_not_applicable_reasons():
 
 
 def test_every_applicable_copy_reads_the_knob():
-    for name in ("loop_copies", "get_batch", "cuda_method"):
+    for name in ("loop_copies", "get_batch", "cuda_method", "device_branches"):
         text = patched(T, name)
         applicable = statuses(T, name).count(A)
         assert text.count("non_blocking=_autotune.non_blocking()") == applicable
@@ -60,7 +68,7 @@ def test_runtime_knob(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["loop_copies", "get_batch", "cuda_method"])
+@pytest.mark.parametrize("name", ["loop_copies", "get_batch", "cuda_method", "device_branches"])
 def test_losses_on_cpu(tmp_path, name):
     # The knob is for CUDA; on the CPU a non-blocking copy is an ordinary one, so every value must still run.
     base = original(tmp_path, T, name)

@@ -10,6 +10,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project
 from autotune.transform import fresh_name
+from autotune.transforms._sites import strip_module_chain
 
 # torch.nn modules that are a whole transformer block: worth checkpointing or compiling one at a time.
 TORCH_BLOCKS = {"torch.nn.TransformerEncoderLayer", "torch.nn.TransformerDecoderLayer"}
@@ -131,9 +132,16 @@ def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.C
             continue
         if before is not None and facts._enter[assign] >= facts._enter[before]:
             continue
-        if any(is_name(t.target, name) for t in assign.targets):
+        if any(binds(facts, t.target, name) for t in assign.targets):
             out.append(assign)
     return out
+
+
+def binds(facts: ModuleFacts, target: cst.BaseExpression, name: str) -> bool:
+    """Whether an assignment target is ``name``: a variable, or an attribute chain (``self.model``)."""
+    if "." in name:
+        return isinstance(target, cst.Attribute) and facts.code(target) == name
+    return is_name(target, name)
 
 
 def unique_name(facts: ModuleFacts, scope: cst.CSTNode, *candidates: str) -> str:
@@ -226,6 +234,16 @@ def find_class(project: Project, qual: str | None, depth: int = 0) -> ClassRef |
     return None
 
 
+def zoo_factory(facts: ModuleFacts, call: cst.Call) -> str | None:
+    """``models.__dict__[args.arch]()`` (the ImageNet example's pick by name) -> ``torchvision.models.<arch>``."""
+    func = call.func
+    if isinstance(func, cst.Subscript) and isinstance(func.value, cst.Attribute) and func.value.attr.value == "__dict__":
+        owner = facts.qualname(func.value.value) or ""
+        if owner in ("torchvision.models", "timm.models"):
+            return f"{owner}.<arch>"
+    return None
+
+
 def find_function(project: Project, qual: str | None) -> tuple[ModuleFacts, cst.FunctionDef] | None:
     if not qual:
         return None
@@ -266,11 +284,11 @@ def model_class(project: Project, facts: ModuleFacts, scope: cst.CSTNode, expr: 
         return None
     if not isinstance(expr, cst.Call):
         return None
-    qual = facts.qualname(expr.func)
+    qual = facts.qualname(expr.func) or zoo_factory(facts, expr)
     ref = find_class(project, qual)
     if ref is not None:
         return ref
-    if qual and qual.startswith("torch.nn."):
+    if qual and (qual.startswith(("torch.nn.", "torchvision.models.", "timm.models.")) or qual == "timm.create_model"):
         return qual
     target = find_function(project, qual)
     if target is not None:
@@ -431,3 +449,232 @@ def block_paths(project: Project, model, depth: int = 0) -> list[str]:
             if inner is not None and inner is not model:
                 out.extend(f"{attr}.{p}" for p in block_paths(project, inner, depth + 1))
     return list(dict.fromkeys(out))
+
+
+# --- the models the training runs --------------------------------------------------------------------------
+
+_MODULE_BASES = ("torch.nn.Module", "torch.nn.modules.module.Module")
+# DataParallel: a convenience wrapper that replicates the model at every forward, so whatever reaches the wrapper
+# (``.apply(init)``, ``.to(memory_format=...)``) reaches the model; the script's own initialisation may follow it.
+DATA_PARALLEL = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
+# Wrappers that take hold of the parameters (gradient buckets, shards): the model must be final before them.
+DIST_WRAPPERS = {
+    "torch.nn.parallel.DistributedDataParallel",
+    "torch.nn.parallel.distributed.DistributedDataParallel",
+    "torch.distributed.fsdp.FullyShardedDataParallel",
+    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+}
+
+
+def _wrapper(facts: ModuleFacts, assign: cst.Assign) -> str | None:
+    """``"dp"`` or ``"dist"`` when ``assign`` wraps a model for data parallelism."""
+    value = strip_module_chain(assign.value)  # ``DataParallel(model).cuda()``
+    qual = facts.qualname(value.func) if isinstance(value, cst.Call) else None
+    return "dp" if qual in DATA_PARALLEL else "dist" if qual in DIST_WRAPPERS else None
+
+
+@dataclass(frozen=True, eq=False)
+class TrainedModel:
+    """A name a scope trains (``model``), the assignments that can bind it there, and where its training starts."""
+
+    facts: ModuleFacts
+    scope: cst.CSTNode
+    name: str
+    bindings: tuple[cst.Assign, ...]  # those that build a module, in source order: one per branch of an if/elif
+    point: cst.BaseStatement  # convert or compile right after this statement: every binding and initialisation ran
+
+
+class Training:
+    """Which models a project trains: the names its optimizers, training loops and trainer functions use."""
+
+    def __init__(self, project: Project) -> None:
+        self.project = project
+        self._callees: dict[cst.Call, cst.CSTNode | None] = {}
+        self._holders: set[cst.CSTNode] | None = None
+
+    def models(self) -> list[TrainedModel]:
+        out: list[TrainedModel] = []
+        seen: set[tuple[int, str]] = set()
+        for facts in self.project.modules:
+            for scope, name, use in self.uses(facts):
+                if (id(scope), name) in seen:
+                    continue
+                found = assignments(facts, scope, name, before=use)
+                built = tuple(
+                    a
+                    for a in found
+                    if _wrapper(facts, a) is None
+                    and isinstance(strip_module_chain(a.value), cst.Call)
+                    and model_class(self.project, facts, scope, a.value) is not None
+                )
+                if not built:
+                    continue
+                seen.add((id(scope), name))
+                dist = next((i for i, a in enumerate(found) if _wrapper(facts, a) == "dist"), len(found))
+                start = found[max(dist - 1, 0)]
+                out.append(TrainedModel(facts, scope, name, built, self._point(facts, name, start, use)))
+        return out
+
+    def uses(self, facts: ModuleFacts) -> Iterator[tuple[cst.CSTNode, str, cst.CSTNode]]:
+        """(scope, name, use) for each name a scope trains: optimizer parameters, calls in the training loop, or
+        arguments of a local function (or class) that holds the training loop."""
+        project = self.project
+        for ctor in project.optimizer_ctors(facts):
+            for call in facts.calls_in(ctor):
+                func = call.func
+                if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
+                    if isinstance(func.value, cst.Name):
+                        yield scope_of(facts, ctor), func.value.value, ctor
+                    elif self_attr(func.value) is not None:  # a trainer class's own ``self.model``
+                        yield scope_of(facts, ctor), facts.code(func.value), ctor
+        trainers = self.trainers()
+        for loop in project.loops:
+            if loop.module is not facts:
+                continue
+            scope = scope_of(facts, loop.node)
+            for call in facts.calls_in(loop.node):
+                if isinstance(call.func, cst.Name) and self.builds_module(facts, scope, call.func):
+                    yield scope, call.func.value, call
+        for call in facts.calls:
+            target = self.callee(facts, call)
+            if target is None or target not in trainers:
+                continue
+            scope = scope_of(facts, call)
+            for arg in call.args:
+                if isinstance(arg.value, cst.Name) and self.builds_module(facts, scope, arg.value):
+                    yield scope, arg.value.value, call
+
+    def builds_module(self, facts: ModuleFacts, scope: cst.CSTNode, name: cst.Name) -> bool:
+        built = model_class(self.project, facts, scope, name)
+        if isinstance(built, str):
+            last = built.rsplit(".", 1)[-1]
+            return built.startswith(("torch.nn.", "torchvision.models.")) and last[:1].isupper() and not last.endswith("Loss")
+        return built is not None and self.is_module_class(built)
+
+    def is_module_class(self, ref: ClassRef, depth: int = 0) -> bool:
+        for base in ref.node.bases:
+            qual = ref.facts.qualname(base.value)
+            if qual in _MODULE_BASES:
+                return True
+            parent = find_class(self.project, qual)
+            if parent is not None and depth < 5 and self.is_module_class(parent, depth + 1):
+                return True
+        return False
+
+    def callee(self, facts: ModuleFacts, call: cst.Call) -> cst.CSTNode | None:
+        """The local function or class a call runs (a class: its ClassDef)."""
+        # asked about every call, twice for calls in functions: remembered per call
+        if call not in self._callees:
+            self._callees[call] = self._resolve_callee(facts, call)
+        return self._callees[call]
+
+    def _resolve_callee(self, facts: ModuleFacts, call: cst.Call) -> cst.CSTNode | None:
+        target = self.project.local_target(facts, call)
+        if target is not None:
+            return target[1]
+        qual = facts.qualname(call.func)
+        ref = find_class(self.project, qual)
+        if ref is not None:
+            return ref.node
+        found = find_function(self.project, qual)
+        return found[1] if found is not None else None
+
+    def trainers(self) -> set[cst.CSTNode]:
+        """Local functions (and classes, by a method) whose body holds a training loop, or calls one that does."""
+        if self._holders is not None:
+            return self._holders
+        holders: set[cst.CSTNode] = set()
+        for loop in self.project.loops:
+            fn = loop.module.function_of(loop.node)
+            if fn is not None:
+                holders.add(fn)
+                cls = loop.module.class_of(fn)
+                if cls is not None:
+                    holders.add(cls)
+        for _ in range(2):  # one or two local calls away from the loop
+            for facts in self.project.modules:
+                for fn in facts.functions:
+                    if fn in holders:
+                        continue
+                    if any(self.callee(facts, c) in holders for c in facts.calls_in(fn)):
+                        holders.add(fn)
+        self._holders = holders
+        return holders
+
+    # --- where training starts ----------------------------------------------------------------------------
+
+    def _point(self, facts: ModuleFacts, name: str, last: cst.Assign, use: cst.CSTNode) -> cst.BaseStatement:
+        """The statement after which ``name`` is bound on every path and initialised as the script wants it.
+
+        From the last binding (lifted out of the if/elif that holds it, up to the block that also holds ``use``),
+        past the statements that still touch the model (``.to(device)``, ``.apply(init_weights)``,
+        ``load_state_dict``), up to the first that wraps it for data parallelism or starts training (an optimizer,
+        a training loop, a trainer call).
+        """
+        around = set(facts.ancestors(use))
+        node: cst.CSTNode = facts.statement_of(last)
+        while not (isinstance(facts.parent(node), (cst.IndentedBlock, cst.Module)) and facts.parent(node) in around):
+            parent = facts.parent(node)
+            if parent is None or parent is use:
+                break
+            node = parent
+        block = facts.parent(node)
+        body = list(getattr(block, "body", ()))
+        if node not in body:
+            return facts.statement_of(last)
+        point = node
+        for s in body[body.index(node) + 1 :]:
+            if facts.contains(s, use) or self._starts_training(facts, s) or self._wraps(facts, s, name):
+                break
+            if any(not _reads_only(facts, n) for n in _mentions(facts, s, name)):
+                point = s
+        return point
+
+    def _starts_training(self, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
+        if any(loop.module is facts and facts.contains(s, loop.node) for loop in self.project.loops):
+            return True
+        if self.project.optimizer_ctors(facts) and any(facts.contains(s, c) for c in self.project.optimizer_ctors(facts)):
+            return True
+        trainers = self.trainers()
+        for call in facts.calls_in(s):
+            if self.callee(facts, call) in trainers:
+                return True
+            target = self.project.local_target(facts, call)  # ``build_optimizer(model, lr)``
+            if target is not None and any(target[0].contains(target[1], c) for c in self.project.optimizer_ctors(target[0])):
+                return True
+        return False
+
+    @staticmethod
+    def _wraps(facts: ModuleFacts, s: cst.BaseStatement, name: str) -> bool:
+        """Whether ``s`` rebinds ``name`` to a DDP/FSDP wrapper (on some path)."""
+        return any(
+            _wrapper(facts, a) == "dist" and any(binds(facts, t.target, name) for t in a.targets)
+            for a in facts.nodes_in(s, cst.Assign)
+        )
+
+
+# Module methods that only read: parameter groups built from ``model.named_parameters()`` need no converted model.
+_READERS = {"parameters", "named_parameters", "state_dict", "buffers", "named_buffers"}
+
+
+def _mentions(facts: ModuleFacts, s: cst.CSTNode, name: str) -> list[cst.BaseExpression]:
+    if "." in name:
+        return [a for a in facts.nodes_in(s, cst.Attribute) if facts.code(a) == name]
+    return [n for n in facts.nodes_in(s, cst.Name) if n.value == name]
+
+
+def _reads_only(facts: ModuleFacts, name: cst.BaseExpression) -> bool:
+    parent = facts.parent(name)
+    return isinstance(parent, cst.Attribute) and parent.value is name and parent.attr.value in _READERS
+
+
+_TRAINING: dict[int, tuple[Project, Training]] = {}
+
+
+def training(project: Project) -> Training:
+    """The project's Training, built once (transforms of one run share it)."""
+    found = _TRAINING.get(id(project))
+    if found is None or found[0] is not project:
+        _TRAINING.clear()  # one project at a time: the previous one's trees are let go
+        found = _TRAINING[id(project)] = (project, Training(project))
+    return found[1]

@@ -205,6 +205,14 @@ class Autocast(Transform):
         seen: set[cst.Call] = set()
         for loop in project.loops:
             self._plan_loop(loop, plans, bool(scalers), seen)
+        if not any(p.autocasts or p.wraps for p in plans.values()):
+            # bf16 would only turn the scaler off: no autocast region the knob controls runs in the training
+            for facts, call in scalers:
+                plan = plans[facts]
+                if call in plan.scalers:
+                    plan.scalers.remove(call)
+                    reason = f"{_short(facts, call)}: no autocast region the knob could switch to bf16, so it stays"
+                    plan.reports = [(n, st, r) if n is not call else (n, Status.NOT_APPLICABLE, reason) for n, st, r in plan.reports]
         return plans
 
     def _plan_loop(self, loop: TrainingLoop, plans: dict[ModuleFacts, _Plan], has_scaler: bool, seen: set) -> None:
@@ -371,11 +379,29 @@ def _autocast_in_reach(project: Project, loop: TrainingLoop) -> tuple[ModuleFact
         for call in facts.calls_in(node):
             if _enabled_autocast(facts, call) and not facts.is_runtime_call(call):
                 return facts, call
+        for with_ in facts.nodes_in(node, cst.With):
+            found = _autocast_context(facts, with_)
+            if found is not None:
+                return facts, found
             if depth < 3:
                 target = project.local_target(facts, call)
                 if target is not None and target[1] not in seen:
                     seen.add(target[1])
                     queue.append((target[0], target[1], depth + 1))
+    return None
+
+
+def _autocast_context(facts: ModuleFacts, with_: cst.With) -> cst.Call | None:
+    """The autocast a ``with ctx:`` enters, where ``ctx`` is a variable the file binds to an autocast (nanoGPT's
+    ``ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(...)``)."""
+    for item in with_.items:
+        if not isinstance(item.item, cst.Name):
+            continue
+        for assign in facts.assigns:
+            if any(isinstance(t.target, cst.Name) and t.target.value == item.item.value for t in assign.targets):
+                found = next((c for c in facts.calls_in(assign.value) if _enabled_autocast(facts, c)), None)
+                if found is not None:
+                    return found
     return None
 
 

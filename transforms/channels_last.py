@@ -9,12 +9,14 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, keyword, stmt
-from autotune.transforms._model import bound_names
+from autotune.transforms._model import bound_names, self_attr, training, zoo_factory
 from autotune.transforms._sites import (
     Region,
     h2d_copy,
     is_module_ctor,
+    is_module_expr,
     local_classes,
+    module_names,
     strip_module_chain,
     training_regions,
 )
@@ -26,19 +28,44 @@ _CONV2D = {
     for name in ("Conv2d", "ConvTranspose2d", "LazyConv2d", "LazyConvTranspose2d")
 } | {"torch.nn.functional.conv2d", "torch.nn.functional.conv_transpose2d"}
 
+# Dropout that draws one mask element per tensor element, in memory order: on a channels_last activation it drops
+# other elements than on the contiguous one (Dropout2d/3d draw one per channel and are not affected).
+_DROPOUT = {
+    f"{prefix}.{name}"
+    for prefix in ("torch.nn", "torch.nn.modules.dropout")
+    for name in ("Dropout", "AlphaDropout", "FeatureAlphaDropout")
+} | {"torch.nn.functional.dropout", "torch.nn.functional.alpha_dropout", "torch.dropout", "torch.nn.functional.feature_alpha_dropout"}
+
+
+DROPOUT_REASON = (
+    "in train mode dropout draws its mask in memory order, so on channels_last activations other elements are "
+    "dropped and the losses differ from the first step"
+)
+
+
+_FLATTEN = {"torch.flatten", "torch.nn.Flatten", "torch.nn.modules.flatten.Flatten"}
+SEQUENTIAL = "torch.nn.Sequential"
+
+
+def _is_conv(qual: str | None) -> bool:
+    if qual in _CONV2D:
+        return True
+    return bool(qual) and qual.startswith("torchvision.models.") and not qual.startswith("torchvision.models.video.")
+
 
 @dataclass(eq=False)
 class _Model:
-    """A trained model built from a module with 2-D convolutions."""
+    """A model the training runs, and whether it has 2-D convolutions."""
 
     facts: ModuleFacts
     name: str  # the spelling of the variable that holds it ("model", "self.net")
-    build: cst.BaseStatement  # the statement that builds it
-    site: cst.Call  # the call that builds it, where reports point
-    anchor: cst.BaseStatement  # the last statement of its block that builds it or moves it to the device
+    builds: tuple[cst.BaseStatement, ...]  # the statements that build it, one per branch
+    site: cst.Call  # the (first) call that builds it, where reports point
+    anchor: cst.BaseStatement  # convert after it: the model is built and initialised, training has not started
     label: str  # what it is, for reports ("Net", "nn.Sequential")
     conv: bool
-    converted: bool = False  # the script (or autotune) already makes it channels_last
+    dropout: bool = False  # it applies element-wise dropout somewhere
+    converted: tuple[Status, str] | None = None  # the script (or autotune) already sets its memory format: why
     inputs: list[tuple[ModuleFacts, cst.Call]] = field(default_factory=list)  # its forward calls in the loop
 
 
@@ -52,7 +79,9 @@ class ChannelsLast(Transform):
             (False, True),
             False,
             Numerics.REORDER,
-            help="NHWC weights and inputs: faster convolution kernels on GPUs with tensor cores and on oneDNN CPUs",
+            help="NHWC weights and inputs: faster convolution kernels on GPUs with tensor cores and on oneDNN CPUs. "
+            "Floating-point reordering only, for models without element-wise dropout (those are left alone: in train "
+            "mode dropout draws its mask in memory order, so other elements would be dropped)",
         ),
     )
 
@@ -65,50 +94,44 @@ class ChannelsLast(Transform):
             regions = training_regions(self.project)
             self._found = (regions, self._models(regions))
         regions, models = self._found
+        for model_facts, call in self._untrained():
+            if model_facts is facts:
+                name = facts.code(facts.parent(call).targets[0].target)
+                self.report(facts, call, Status.NOT_APPLICABLE, f"{name} is not trained in a training loop")
         for model in models:
             if model.facts is not facts:
                 continue
             if not model.conv:
-                if self._is_trained(model):
-                    self.report(facts, model.site, Status.NOT_APPLICABLE, f"{model.label} has no 2-D convolutions")
-                continue
-            if not model.inputs and not self._is_trained(model):
-                self.report(facts, model.site, Status.NOT_APPLICABLE, f"{model.name} is not trained in a training loop")
+                self.report(facts, model.site, Status.NOT_APPLICABLE, f"{model.label} has no 2-D convolutions")
                 continue
             if model.converted:
-                self.report(facts, model.site, Status.PRESENT, f"{model.name} is already channels_last")
+                self.report(facts, model.site, *model.converted)
+                continue
+            if model.dropout:
+                self.report(facts, model.site, Status.NOT_APPLICABLE, f"{model.label} has dropout: {DROPOUT_REASON}")
                 continue
             self.report(facts, model.site, Status.APPLICABLE, f"{model.label} has 2-D convolutions")
             self._convert(edits, model.anchor, model.name, "to", after=True)
-        self._inputs(facts, edits, regions, [m for m in models if m.conv])
+        self._inputs(facts, edits, regions, [m for m in models if m.conv and not m.dropout])
 
     # --- models ---------------------------------------------------------------------------------------------
 
     def _models(self, regions: list[Region]) -> list[_Model]:
+        """The models the training runs (whichever branch of an if/elif builds them), converted where their
+        training starts: after the script's own initialisation, which an in-place ``normal_()`` on a channels_last
+        weight would fill in memory order (other weights, other losses)."""
         models: list[_Model] = []
-        for facts in self.project.modules:
-            for call in facts.calls:
-                parent = facts.parent(call)
-                if not (isinstance(parent, cst.Assign) and parent.value is call and len(parent.targets) == 1):
-                    continue
-                target = parent.targets[0].target
-                if not isinstance(target, (cst.Name, cst.Attribute)):
-                    continue
-                cls = facts.class_of(call)
-                if cls is not None and f"{facts.modname}.{cls.name.value}" in local_classes(self.project):
-                    continue  # a layer of a model (`self.conv1 = nn.Conv2d(...)`), not a model
-                base = strip_module_chain(call)
-                if not isinstance(base, cst.Call) or not self._builds_module(facts, base):
-                    continue
-                name = facts.code(target)
-                build = facts.statement_of(call)
-                label = facts.code(base.func) if isinstance(base.func, (cst.Name, cst.Attribute)) else name
-                if not is_module_ctor(self.project, facts, base):
-                    label += "()"  # a factory function
-                model = _Model(facts, name, build, call, build, label, self._has_conv(facts, base, set()))
-                model.anchor = self._anchor(facts, build, name)
-                model.converted = self._converted(model)
-                models.append(model)
+        for trained in training(self.project).models():
+            facts = trained.facts
+            calls = [strip_module_chain(a.value) for a in trained.bindings]
+            conv = [self._has_conv(facts, c, set()) for c in calls]
+            labels = [self._label(facts, c) for c, has in zip(calls, conv) if has == any(conv)]
+            builds = tuple(facts.statement_of(a) for a in trained.bindings)
+            label = " or ".join(dict.fromkeys(labels))
+            model = _Model(facts, trained.name, builds, calls[0], trained.point, label, any(conv))
+            model.dropout = any(self._builds(facts, c, _spatial_dropout, set()) for c in calls)
+            model.converted = self._converted(model)
+            models.append(model)
         for model in models:
             for facts, owner in regions:
                 for call in facts.calls_in(owner):
@@ -116,95 +139,82 @@ class ChannelsLast(Transform):
                         model.inputs.append((facts, call))
         return models
 
-    def _builds_module(self, facts: ModuleFacts, call: cst.Call) -> bool:
-        if is_module_ctor(self.project, facts, call):
-            return True
-        target = self.project.local_target(facts, call)  # a factory: `model = build_model(cfg)`
-        return target is not None and any(
-            isinstance(base, cst.Call) and is_module_ctor(self.project, target[0], base)
-            for base in (strip_module_chain(r.value) for r in _returns(target[1]))
-        )
+    def _label(self, facts: ModuleFacts, call: cst.Call) -> str:
+        label = facts.code(call.func)
+        return label if is_module_ctor(self.project, facts, call) else label + "()"  # a factory function
+
+    def _untrained(self) -> list[tuple[ModuleFacts, cst.Call]]:
+        """Convolutional models the entry script builds when it has no training loop at all (a benchmark)."""
+        if self.project.loops:
+            return []
+        facts = self.project.entry
+        out = []
+        for assign in facts.assigns:
+            base = strip_module_chain(assign.value)
+            if isinstance(base, cst.Call) and is_module_ctor(self.project, facts, base) and self._has_conv(facts, base, set()):
+                out.append((facts, assign.value))
+        return out
 
     def _has_conv(self, facts: ModuleFacts, node: cst.CSTNode, seen: set) -> bool:
         """Whether building ``node`` (a call, a class body, a function) creates a 2-D convolution."""
+        return self._builds(facts, node, lambda f, call: _is_conv(f.qualname(call.func) or zoo_factory(f, call)), seen)
+
+    def _builds(self, facts: ModuleFacts, node: cst.CSTNode, wanted, seen: set) -> bool:
+        """Whether building ``node`` makes a call ``wanted(facts, call)`` accepts, through local classes (their
+        bases too) and functions."""
+        classes = local_classes(self.project)
         for call in facts.calls_in(node):
             qual = facts.qualname(call.func)
-            if qual in _CONV2D:
+            if wanted(facts, call):
                 return True
-            if qual and qual.startswith("torchvision.models.") and not qual.startswith("torchvision.models.video."):
-                return True
-            classes = local_classes(self.project)
             if qual in classes and qual not in seen:
                 seen.add(qual)
                 cls_facts, cls = classes[qual]
-                if self._class_has_conv(cls_facts, cls, seen):
+                if self._builds(cls_facts, cls, wanted, seen):
                     return True
+                for base in cls.bases:
+                    base_qual = cls_facts.qualname(base.value)
+                    if base_qual in classes and base_qual not in seen:
+                        seen.add(base_qual)
+                        if self._builds(*classes[base_qual], wanted, seen):
+                            return True
                 continue
             target = self.project.local_target(facts, call)
             if target is not None and target[1] not in seen:
                 seen.add(target[1])
-                if self._has_conv(target[0], target[1], seen):
+                if self._builds(target[0], target[1], wanted, seen):
                     return True
         return False
 
-    def _class_has_conv(self, facts: ModuleFacts, cls: cst.ClassDef, seen: set) -> bool:
-        if self._has_conv(facts, cls, seen):
-            return True
-        classes = local_classes(self.project)
-        for base in cls.bases:
-            qual = facts.qualname(base.value)
-            if qual in classes and qual not in seen:
-                seen.add(qual)
-                if self._class_has_conv(*classes[qual], seen):
-                    return True
-        return False
+    def _converted(self, model: _Model) -> tuple[Status, str] | None:
+        facts = model.facts  # a name is compared in its own file: `net` in another file is another model
+        for call in facts.calls:
+            if facts.is_runtime_call(call, "channels_last") and call.args:
+                if facts.code(call.args[0].value) == model.name:
+                    return Status.PRESENT, f"{model.name} is already channels_last"
+            fmt = _memory_format(facts, call)
+            if fmt is None:
+                continue
+            func = call.func
+            if any(facts.contains(s, call) for s in (*model.builds, model.anchor)) or (
+                isinstance(func, cst.Attribute) and facts.code(func.value) == model.name
+            ):
+                if fmt == "torch.channels_last":
+                    return Status.PRESENT, f"{model.name} is already channels_last"
+                return Status.USER, f"{model.name}: memory_format={fmt} is the script's choice"
+        return None
 
-    @staticmethod
-    def _anchor(facts: ModuleFacts, build: cst.BaseStatement, name: str) -> cst.BaseStatement:
-        """The last statement after ``build`` in its block that moves ``name`` to the device (or ``build``)."""
-        block = facts.block_of(build)
-        body = list(getattr(block, "body", ()))
-        anchor = build
-        for node in body[body.index(build) + 1 :]:
-            if not isinstance(node, cst.SimpleStatementLine) or len(node.body) != 1:
-                break
-            small = node.body[0]
-            value = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
-            if isinstance(small, cst.Assign) and [facts.code(t.target) for t in small.targets] != [name]:
-                break
-            if not (isinstance(value, cst.Call) and strip_module_chain(value) is not value):
-                break
-            inner = strip_module_chain(value)
-            if facts.code(inner) != name:
-                break
-            anchor = node
-        return anchor
-
-    def _converted(self, model: _Model) -> bool:
+    def _script_converts_batches(self) -> tuple[ModuleFacts, cst.Call] | None:
+        """A tensor the script itself gives a memory format (in a collate function, a prefetcher, a transform)."""
+        names = module_names(self.project)
         for facts in self.project.modules:
             for call in facts.calls:
-                if facts.is_runtime_call(call, "channels_last") and call.args:
-                    if facts.code(call.args[0].value) == model.name:
-                        return True
-                if _is_channels_last(facts, call):
-                    func = call.func
-                    inside = facts is model.facts and (
-                        facts.contains(model.build, call) or facts.contains(model.anchor, call)
-                    )
-                    if inside or (isinstance(func, cst.Attribute) and facts.code(func.value) == model.name):
-                        return True
-        return False
-
-    def _is_trained(self, model: _Model) -> bool:
-        """Whether an optimizer is built over the model's parameters (``AdamW(model.parameters())``)."""
-        for facts in self.project.modules:
-            for ctor in self.project.optimizer_ctors(facts):
-                for call in facts.calls_in(ctor):
-                    func = call.func
-                    if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
-                        if facts.code(func.value) == model.name:
-                            return bool(self.project.loops)
-        return False
+                func = call.func
+                if _memory_format(facts, call) is None or not isinstance(func, cst.Attribute):
+                    continue
+                if func.attr.value == "contiguous" or not is_module_expr(self.project, facts, func.value, names):
+                    return facts, call
+        return None
 
     # --- inputs ---------------------------------------------------------------------------------------------
 
@@ -222,6 +232,11 @@ class ChannelsLast(Transform):
                 owner = next(o for f, o in regions if f is facts and f.contains(o, call))
                 if self._input_converted(facts, owner, x):
                     self.report(facts, call, Status.PRESENT, f"input {x} is already channels_last")
+                    continue
+                own = self._script_converts_batches() if model.converted else None
+                if own is not None:  # a model the script converts is fed the batches it converts
+                    where = f"{own[0].display}:{own[0].position(own[1])[0]}"
+                    self.report(facts, call, Status.USER, f"input {x}: the script sets the batches' memory format ({where})")
                     continue
                 place = self._input_place(facts, owner, call, x)
                 if place is None:
@@ -294,9 +309,53 @@ class ChannelsLast(Transform):
             edits.insert_before(place, line)
 
 
+def _spatial_dropout(facts: ModuleFacts, call: cst.Call) -> bool:
+    """Whether ``call`` makes element-wise dropout that may see a 4-D activation: not one that comes after the
+    flatten in an ``nn.Sequential`` or in its module's ``forward`` (a classifier head's dropout)."""
+    if facts.qualname(call.func) not in _DROPOUT:
+        return False
+    parent = facts.parent(facts.parent(call))  # Call <- Arg <- Call
+    if isinstance(parent, cst.Call) and facts.qualname(parent.func) == SEQUENTIAL:
+        before = [a.value for a in parent.args if facts._enter[a.value] < facts._enter[call]]
+        return not any(isinstance(b, cst.Call) and facts.qualname(b.func) in _FLATTEN for b in before)
+    fn = facts.function_of(call)
+    cls = facts.class_of(call)
+    if fn is not None and fn.name.value == "__init__" and cls is not None:
+        assign = facts.parent(call)
+        attr = self_attr(assign.targets[0].target) if isinstance(assign, cst.Assign) and len(assign.targets) == 1 else None
+        forward = facts.method_named(cls, "forward")
+        if attr is None or forward is None:
+            return True
+        uses = [c for c in facts.calls_in(forward) if self_attr(c.func) == attr]
+        return not uses or any(not _after_flatten(facts, forward, u) for u in uses)
+    return fn is None or not _after_flatten(facts, fn, call)
+
+
+def _after_flatten(facts: ModuleFacts, fn: cst.FunctionDef, node: cst.CSTNode) -> bool:
+    """Whether a flatten (``torch.flatten``, ``.view``, ``.reshape``, ``.flatten``) comes before ``node`` in ``fn``."""
+    for call in facts.calls_in(fn):
+        if facts._enter[call] >= facts._enter[node]:
+            return False
+        func = call.func
+        if facts.qualname(func) in _FLATTEN or (isinstance(func, cst.Attribute) and func.attr.value in ("view", "reshape", "flatten")):
+            return True
+    return False
+
+
 def _is_channels_last(facts: ModuleFacts, call: cst.Call) -> bool:
+    return _memory_format(facts, call) is not None
+
+
+def _memory_format(facts: ModuleFacts, call: cst.Call) -> str | None:
+    """The memory format a call sets, as written: ``torch.channels_last``, or an expression the script chooses it
+    with (``memory_format`` = a flag); None without one, or for the default formats."""
     arg = keyword(call, "memory_format")
-    return arg is not None and facts.qualname(arg.value) == "torch.channels_last"
+    if arg is None:
+        return None
+    qual = facts.qualname(arg.value)
+    if qual in ("torch.contiguous_format", "torch.preserve_format"):
+        return None
+    return qual if qual == "torch.channels_last" else " ".join(facts.code(arg.value).split())
 
 
 def _assigns_copy(facts: ModuleFacts, assign: cst.Assign, x: str) -> bool:

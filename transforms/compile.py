@@ -11,24 +11,13 @@ from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, stmt
 
-from ._model import (
-    MODULE_CHAIN,
-    ClassRef,
-    assignments,
-    block_paths,
-    find_class,
-    find_function,
-    model_class,
-    scope_of,
-    unique_name,
-)
+from ._model import ClassRef, block_paths, model_class, scope_of, training, unique_name
 
 # inductor's own random numbers give other dropout masks than eager (char_gpt: losses 1e-3 apart from step 1, 1e-7
 # with this), so the loss gate could never accept compile on a model with dropout
 EAGER_RNG_COMMENT = "# dropout masks drawn as without compile: same losses"
 MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
-_MODULE_BASES = ("torch.nn.Module", "torch.nn.modules.module.Module")
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,10 +64,6 @@ class Compile(Transform):
             "start; false: specialise on every shape",
         ),
     )
-
-    def __init__(self, project, mode) -> None:
-        super().__init__(project, mode)
-        self._callees: dict[cst.Call, cst.CSTNode | None] = {}
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         present = self._present
@@ -170,124 +155,19 @@ class Compile(Transform):
     def _targets(self) -> list[_Target]:
         out: list[_Target] = []
         seen: set[cst.CSTNode] = set()
-        for facts in self.project.modules:
-            for scope, name, use in self._model_uses(facts):
-                found = assignments(facts, scope, name, before=use)
-                built = [a for a in found if model_class(self.project, facts, scope, a.value) is not None]
-                if not built:
-                    continue
-                assign = built[-1]
-                anchor = facts.statement_of(assign)
-                later = [a for a in found if facts._enter[a] > facts._enter[assign]]
-                if later:  # ``model = model.to(device)`` after it: compile after the last rebinding
-                    anchor = facts.statement_of(later[-1])
-                anchor = self._after_moves(facts, anchor, name)
-                if anchor in seen:
-                    continue
-                seen.add(anchor)
-                cls = model_class(self.project, facts, scope, assign.value)
-                out.append(_Target(facts, anchor, True, name, cls, tuple(block_paths(self.project, cls)), assign.value))
+        for model in training(self.project).models():
+            if model.point in seen:
+                continue
+            seen.add(model.point)
+            classes = [model_class(self.project, model.facts, model.scope, a.value) for a in model.bindings]
+            # one block path for every class the branches may build: blocks compiled whichever branch ran
+            paths = [block_paths(self.project, cls) for cls in classes]
+            blocks = tuple(p for p in paths[-1] if all(p in other for other in paths))
+            cls = classes[-1] if len({id(c) if isinstance(c, ClassRef) else c for c in classes}) == 1 else None
+            out.append(_Target(model.facts, model.point, True, model.name, cls, blocks, model.bindings[-1].value))
         if not out:
             out = self._fallback()
         return out
-
-    @staticmethod
-    def _after_moves(facts: ModuleFacts, anchor: cst.BaseStatement, name: str) -> cst.BaseStatement:
-        """The last of the ``model.to(device)`` / ``model.train()`` lines right after ``anchor``: compile after them."""
-        body = list(facts.block_of(anchor).body)
-        i = body.index(anchor)
-        while i + 1 < len(body):
-            s = body[i + 1]
-            if not (isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and isinstance(s.body[0], cst.Expr)):
-                break
-            call = s.body[0].value
-            if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and call.func.attr.value in MODULE_CHAIN):
-                break
-            if facts.code(call.func.value) != name:
-                break
-            i += 1
-        return body[i]
-
-    def _model_uses(self, facts: ModuleFacts):
-        """(scope, name, use) for each name a scope trains: optimizer parameters, calls in the training loop, or
-        arguments of a local function (or class) that holds the training loop."""
-        project = self.project
-        for ctor in project.optimizer_ctors(facts):
-            for call in facts.calls_in(ctor):
-                func = call.func
-                if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
-                    if isinstance(func.value, cst.Name):
-                        yield scope_of(facts, ctor), func.value.value, ctor
-        trainers = self._trainers()
-        for loop in project.loops:
-            if loop.module is not facts:
-                continue
-            scope = scope_of(facts, loop.node)
-            for call in facts.calls_in(loop.node):
-                if isinstance(call.func, cst.Name) and self._builds_module(facts, scope, call.func):
-                    yield scope, call.func.value, call
-        for call in facts.calls:
-            target = self._callee(facts, call)
-            if target is None or target not in trainers:
-                continue
-            scope = scope_of(facts, call)
-            for arg in call.args:
-                if isinstance(arg.value, cst.Name) and self._builds_module(facts, scope, arg.value):
-                    yield scope, arg.value.value, call
-
-    def _builds_module(self, facts: ModuleFacts, scope: cst.CSTNode, name: cst.Name) -> bool:
-        built = model_class(self.project, facts, scope, name)
-        if isinstance(built, str):
-            last = built.rsplit(".", 1)[-1]
-            return built.startswith(("torch.nn.", "torchvision.models.")) and last[:1].isupper() and not last.endswith("Loss")
-        return built is not None and self._is_module_class(built)
-
-    def _is_module_class(self, ref: ClassRef, depth: int = 0) -> bool:
-        for base in ref.node.bases:
-            qual = ref.facts.qualname(base.value)
-            if qual in _MODULE_BASES:
-                return True
-            parent = find_class(self.project, qual)
-            if parent is not None and depth < 5 and self._is_module_class(parent, depth + 1):
-                return True
-        return False
-
-    def _callee(self, facts: ModuleFacts, call: cst.Call) -> cst.CSTNode | None:
-        """The local function or class a call runs (a class: its ClassDef)."""
-        # asked about every call, twice for calls in functions: remembered per call
-        if call not in self._callees:
-            self._callees[call] = self._resolve_callee(facts, call)
-        return self._callees[call]
-
-    def _resolve_callee(self, facts: ModuleFacts, call: cst.Call) -> cst.CSTNode | None:
-        target = self.project.local_target(facts, call)
-        if target is not None:
-            return target[1]
-        qual = facts.qualname(call.func)
-        ref = find_class(self.project, qual)
-        if ref is not None:
-            return ref.node
-        found = find_function(self.project, qual)
-        return found[1] if found is not None else None
-
-    def _trainers(self) -> set[cst.CSTNode]:
-        """Local functions (and classes, by a method) whose body holds a training loop, or calls one that does."""
-        holders: set[cst.CSTNode] = set()
-        for loop in self.project.loops:
-            fn = loop.module.function_of(loop.node)
-            if fn is not None:
-                holders.add(fn)
-                cls = loop.module.class_of(fn)
-                if cls is not None:
-                    holders.add(cls)
-        for _ in range(2):  # one or two local calls away from the loop
-            for facts in self.project.modules:
-                for fn in facts.functions:
-                    if fn in holders:
-                        continue
-                    if any(self._callee(facts, c) in holders for c in facts.calls_in(fn)):
-                        holders.add(fn)
-        return holders
 
     def _fallback(self) -> list[_Target]:
         """A model that arrives as an argument (``def train(model, ...)``) with no caller in sight: compile before

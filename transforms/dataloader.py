@@ -7,6 +7,8 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_into_helper
+from autotune.transforms._model import ClassRef, argument, find_class, model_class, scope_of, training
+from autotune.transforms._sites import h2d_copy, short
 
 _DATALOADER = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
@@ -73,6 +75,10 @@ class Dataloader(Transform):
             if len([a for a in call.args if a.keyword is None]) > _POSITIONAL_SETTINGS:
                 self.report(facts, call, Status.NOT_APPLICABLE, "DataLoader settings passed by position")
                 continue
+            on_device = self._dataset_on_device(facts, call)
+            if on_device is not None:
+                self.report(facts, call, Status.NOT_APPLICABLE, on_device)
+                continue
             written = {a.keyword.value: a for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
             kept = ", ".join(f"{n}={facts.code(a.value)}" for n, a in written.items())
             if len(written) == len(SETTINGS):
@@ -91,6 +97,62 @@ class Dataloader(Transform):
                 extra = self._baked(facts, written)
                 if extra:
                     edits.rewrite(call, lambda node, extra=extra: add_args(node, *extra))
+
+    def _dataset_on_device(self, facts: ModuleFacts, call: cst.Call) -> str | None:
+        """Why the loader's workers and pinned memory cannot be used: its Dataset moves items to the device.
+
+        A worker process cannot use CUDA (forked after CUDA started, it fails), and a CUDA tensor cannot be pinned.
+        """
+        dataset = next((a.value for a in call.args if a.keyword is None and not a.star), None)
+        dataset = dataset or next((a.value for a in call.args if a.keyword and a.keyword.value == "dataset"), None)
+        if dataset is None:
+            return None
+        for cls in self._classes(facts, dataset):
+            why = self._moves_items(cls)
+            if why is not None:
+                return why
+        return None
+
+    def _classes(self, facts: ModuleFacts, expr: cst.BaseExpression) -> list[ClassRef]:
+        """The local classes ``expr`` may be an instance of: built there, or passed in by the function's callers."""
+        scope = scope_of(facts, expr)
+        cls = model_class(self.project, facts, scope, expr)
+        if isinstance(cls, ClassRef):
+            return [cls]
+        if not (isinstance(expr, cst.Name) and isinstance(scope, cst.FunctionDef)):
+            return []
+        params = [p.name.value for p in scope.params.params]
+        if expr.value not in params:
+            return []
+        owner = facts.class_of(scope)
+        target = owner if owner is not None and scope.name.value == "__init__" else scope
+        index = params.index(expr.value) - (1 if owner is not None else 0)
+        found = []
+        finder = training(self.project)
+        for other in self.project.modules:
+            for caller in other.calls:
+                if finder.callee(other, caller) is not target:
+                    continue
+                arg = argument(caller, index, expr.value)
+                cls = model_class(self.project, other, scope_of(other, caller), arg) if arg is not None else None
+                if isinstance(cls, ClassRef):
+                    found.append(cls)
+        return found
+
+    def _moves_items(self, cls: ClassRef) -> str | None:
+        for ref in (cls, *(find_class(self.project, cls.facts.qualname(b.value)) for b in cls.node.bases)):
+            if ref is None:
+                continue
+            for method in ("__getitem__", "__getitems__", "__iter__"):
+                fn = ref.method(method)
+                copy = next((c for c in ref.facts.calls_in(fn) if h2d_copy(ref.facts, c)), None) if fn else None
+                if copy is not None:
+                    line = ref.facts.position(copy)[0]
+                    return (
+                        f"{ref.name}.{method} moves items to the device ({short(ref.facts, copy)}, line {line}): "
+                        "worker processes cannot use CUDA and CUDA tensors cannot be pinned"
+                    )
+        return None
 
     @staticmethod
     def _matters(name: str, written: dict[str, cst.Arg]) -> bool:

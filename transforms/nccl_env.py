@@ -109,12 +109,13 @@ class NcclEnv(Transform):
         for module in self.project.modules:
             for call in calls_to(module, INIT_PROCESS_GROUP):
                 backend = backend_arg(call)
-                name = literal_string(backend)
+                names = _backends(module, backend) if backend is not None else {"nccl"}
                 where = _where(self.project, module, call)
-                if backend is None or (name is not None and "nccl" in name.lower()):
-                    out.append((module, call, where))  # no backend: torch picks NCCL for CUDA tensors
-                elif name is None:
+                if names is None:
                     out.append((module, call, where[:-1] + ", backend chosen at run time)"))
+                elif any("nccl" in n.lower() for n in names):
+                    # no backend: torch picks NCCL for CUDA tensors
+                    out.append((module, call, where if len(names) == 1 else where[:-1] + f", backend {' or '.join(sorted(names))})"))
             for call in calls_to(module, INIT_DEVICE_MESH):
                 args = [a for a in call.args if a.keyword is None]
                 kind = literal_string(args[0].value) if args else None
@@ -140,6 +141,26 @@ class NcclEnv(Transform):
                         found.append((module, node, node.evaluated_value))
                         break
         return found
+
+
+def _backends(facts: ModuleFacts, node: cst.BaseExpression, depth: int = 0) -> set[str] | None:
+    """The backend names an expression can hold: literals, ``a if cond else b``, a variable the file assigns
+    only such values, ``dist.Backend.GLOO``; None where it cannot be told (an argument, a config value)."""
+    name = literal_string(node)
+    if name is not None:
+        return {name}
+    if isinstance(node, cst.IfExp):
+        a, b = _backends(facts, node.body, depth), _backends(facts, node.orelse, depth)
+        return a | b if a is not None and b is not None else None
+    qual = facts.qualname(node) or ""
+    if qual.startswith("torch.distributed.Backend.") and qual.count(".") == 3:
+        return {qual.rsplit(".", 1)[1].lower()}
+    if isinstance(node, cst.Name) and depth < 3:
+        values = [a.value for a in facts.assigns if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+        found = [_backends(facts, v, depth + 1) for v in values]
+        if values and all(f is not None for f in found):
+            return set().union(*found)
+    return None
 
 
 def _where(project, module: ModuleFacts, call: cst.Call) -> str:

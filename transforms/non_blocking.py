@@ -64,6 +64,12 @@ class NonBlocking(Transform):
             if not inside:
                 self.report(facts, call, Status.NOT_APPLICABLE, f"{what} is outside any training loop")
                 continue
+            branch = off_cuda_branch(facts, call)
+            if branch is not None:
+                self.report(
+                    facts, call, Status.NOT_APPLICABLE, f"{what} runs only without CUDA (under `{branch}`): nothing to overlap"
+                )
+                continue
             written = self._non_blocking(call, func.attr.value)
             if written is not None:
                 if is_literal(written, True) or facts.is_runtime_call(written, "non_blocking"):
@@ -103,3 +109,51 @@ class NonBlocking(Transform):
             return is_host_device(facts, device.value)
         positional = [a.value for a in call.args if a.keyword is None and not a.star]
         return bool(positional) and is_host_device(facts, positional[0])
+
+
+# Device names a branch test compares with: any but "cuda" means the branch runs off CUDA.
+_DEVICE_NAMES = {"cpu", "cuda", "mps", "xla", "xpu", "meta", "hpu", "npu"}
+
+
+def off_cuda_branch(facts: ModuleFacts, node: cst.CSTNode) -> str | None:
+    """The test of an enclosing ``if`` (or its ``else``) that lets ``node`` run only without CUDA, as the report
+    shows it (``else`` of ``if device_type == "cuda"``); None when CUDA may reach it."""
+    child = node
+    for anc in facts.ancestors(node):
+        if isinstance(anc, (cst.If, cst.IfExp)):
+            in_body = child is anc.body
+            if in_body or child is anc.orelse:
+                when_true, when_false = _branch_devices(facts, anc.test)
+                if (when_true if in_body else when_false) == "off":
+                    test = " ".join(facts.code(anc.test).split())
+                    return f"if {test}" if in_body else f"else of if {test}"
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+            return None
+        child = anc
+    return None
+
+
+def _branch_devices(facts: ModuleFacts, test: cst.BaseExpression) -> tuple[str | None, str | None]:
+    """(device when ``test`` holds, device when it does not): "cuda", "off" (not CUDA) or None (either)."""
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        when_true, when_false = _branch_devices(facts, test.expression)
+        return when_false, when_true
+    if isinstance(test, cst.BooleanOperation):
+        left, right = _branch_devices(facts, test.left), _branch_devices(facts, test.right)
+        if isinstance(test.operator, cst.And):  # both hold when it holds
+            return left[0] or right[0], None
+        return None, left[1] or right[1]  # neither holds when it does not
+    if isinstance(test, cst.Call):
+        return ("cuda", "off") if facts.qualname(test.func) == "torch.cuda.is_available" else (None, None)
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+        op = test.comparisons[0].operator
+        sides = (test.left, test.comparisons[0].comparator)
+        names = [s.evaluated_value for s in sides if isinstance(s, cst.SimpleString)]
+        device = names[0].split(":")[0] if names else None
+        if device not in _DEVICE_NAMES:
+            return None, None
+        if isinstance(op, (cst.Equal, cst.Is)) or (isinstance(op, cst.In) and isinstance(sides[0], cst.SimpleString)):
+            return ("cuda", "off") if device == "cuda" else ("off", None)
+        if isinstance(op, (cst.NotEqual, cst.IsNot)) or (isinstance(op, cst.NotIn) and isinstance(sides[0], cst.SimpleString)):
+            return ("off", "cuda") if device == "cuda" else (None, "off")
+    return None, None

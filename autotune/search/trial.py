@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from autotune.errors import UsageError
+from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
 from autotune.runtime import CONFIG_ENV, TRIAL_ENV
 from autotune.search.machine import machine_key
@@ -83,6 +84,8 @@ class TrialResult:
     speedup: float | None = None
     host: str = ""  # the machine it ran on: timings are compared only between runs of the same machine key
     device_name: str = ""  # CPU model and cores, or GPU name
+    # the knobs whose code ran with a non-default value (runtime.took_effect); None where the run did not say
+    applied: tuple[str, ...] | None = None
 
     @property
     def machine(self) -> str:
@@ -134,10 +137,24 @@ class TrialResult:
         kw["step_times"] = tuple(kw.get("step_times") or ())
         kw["losses"] = tuple(tuple(row) for row in kw.get("losses") or ())
         kw["rank_losses"] = tuple(tuple(tuple(row) for row in rows) for rows in kw.get("rank_losses") or ())
+        if kw.get("applied") is not None:
+            kw["applied"] = tuple(kw["applied"])
         return cls(**kw)
 
     def with_(self, **changes: Any) -> TrialResult:
         return replace(self, **changes)
+
+
+def unreached(result: TrialResult, changed_knobs: Iterable[Knob | str]) -> list[str]:
+    """The knobs of ``changed_knobs`` (those set away from their default) whose code never ran in a trial that
+    measured something: the trial timed the original program, so its ranking would credit them with nothing.
+
+    Empty where the run did not record what took effect (a runtime older than the record).
+    """
+    if result.applied is None or not result.measured:
+        return []
+    names = [k if isinstance(k, str) else k.name for k in changed_knobs]
+    return [n for n in names if n not in result.applied]
 
 
 # --- failure types -----------------------------------------------------------------------------------------
@@ -224,6 +241,8 @@ def merge_ranks(results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     out["ranks"] = world
     out["steps_done"] = min(int(r.get("steps_done") or 0) for r in ranks)
     out["peak_memory"] = max((r["peak_memory"] for r in ranks if r.get("peak_memory") is not None), default=None)
+    if all(r.get("applied") is not None for r in ranks):  # a knob reached the program when it did on any rank
+        out["applied"] = list(dict.fromkeys(k for r in ranks for k in r["applied"]))
     batches = [r.get("batch_size") for r in ranks]
     out["batch_size"] = sum(batches) if not missing and None not in batches else None
     failed = sorted((r for r in ranks if r.get("status") != "ok"), key=lambda r: r.get("ended") or math.inf)
@@ -500,6 +519,7 @@ class Runner:
             attrs=dict(attrs or {}),
             ranks=int(r.get("ranks") or 1),
             rank_losses=tuple(tuple(tuple(row) for row in rows) for rows in r.get("rank_losses") or ()),
+            applied=tuple(r["applied"]) if r.get("applied") is not None else None,
         )
         shutil.rmtree(tdir, ignore_errors=True)
         return out

@@ -1,0 +1,103 @@
+"""The trial result lists the knobs whose code ran (``applied``); ``unreached`` names the ones that never did."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from autotune import runtime
+from autotune.analysis import load_project
+from autotune.patch import run, select
+from autotune.search.trial import Outcome, TrialResult, merge_ranks, unreached
+from autotune.transform import all_knobs
+
+BRANCHES = Path(__file__).resolve().parent.parent / "fixtures" / "transforms" / "channels_last" / "arch_branches.in.py"
+
+
+@pytest.fixture
+def knobs(tmp_path, monkeypatch):
+    def set_values(**values):
+        path = tmp_path / "knobs.yaml"
+        path.write_text(yaml.safe_dump({"knobs": {k.replace("__", "."): v for k, v in values.items()}}))
+        monkeypatch.setenv(runtime.CONFIG_ENV, str(path))
+        runtime.reset()
+
+    yield set_values
+    runtime.reset()
+
+
+def test_defaults_apply_nothing(knobs):
+    knobs()
+    runtime.channels_last(torch.nn.Conv2d(3, 4, 3))
+    runtime.compile_model(torch.nn.Linear(2, 2))
+    runtime.dataloader_kwargs(num_workers=2)
+    runtime.non_blocking()
+    assert runtime.applied() == []
+
+
+def test_a_knob_counts_where_its_helper_changed_the_program(knobs):
+    knobs(channels_last__enabled=True, compile__mode="default", compile__scope="blocks", dataloader__num_workers=2)
+    runtime.channels_last(torch.nn.Linear(2, 2))  # no 4-D weight: nothing to convert
+    runtime.dataloader_kwargs(num_workers=0)  # the script chose its workers: the knob is not used
+    assert runtime.applied() == []
+    runtime.channels_last(torch.nn.Conv2d(3, 4, 3))
+    runtime.compile_model(torch.nn.Linear(2, 2), blocks=[])  # no blocks to compile: the whole model, not the scope
+    assert runtime.applied() == ["channels_last.enabled", "compile.mode"]
+
+
+def test_unreached_names_changed_knobs_that_never_ran():
+    table = all_knobs()
+    changed = [table["compile.mode"], table["channels_last.enabled"]]
+    ran = TrialResult({}, "search", Outcome.OK, step_times=(0.1,), applied=("channels_last.enabled",))
+    assert unreached(ran, changed) == ["compile.mode"]
+    assert unreached(ran.with_(applied=None), changed) == []  # no record: nothing to say
+    assert unreached(ran.with_(status=Outcome.CRASH, step_times=()), changed) == []  # failed anyway
+    assert TrialResult.from_attrs(json.loads(json.dumps(ran.to_attrs()))).applied == ("channels_last.enabled",)
+
+
+def test_ranks_add_up_what_took_effect():
+    ranks = [
+        {"rank": 0, "world_size": 2, "status": "ok", "losses": [], "applied": ["compile.mode"]},
+        {"rank": 1, "world_size": 2, "status": "ok", "losses": [], "applied": ["compile.mode", "no_sync.enabled"]},
+    ]
+    assert merge_ranks(ranks)["applied"] == ["compile.mode", "no_sync.enabled"]
+
+
+@pytest.mark.parametrize("arch, reached", [("resnet", True), ("linear", False)])
+def test_trial_result_says_whether_channels_last_reached_the_model(tmp_path, arch, reached):
+    """The same patched script, one flag apart: the convolutional branch is converted, the linear one has nothing
+    that channels_last changes, and the trial result tells the two apart."""
+    script = tmp_path / "train.py"
+    script.write_text(run(load_project(BRANCHES), select(["channels_last"]), hooks=True).files[0].new_text)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"knobs": {"channels_last.enabled": True}}))
+    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({"warmup": 1, "steps": 2, "result": str(result)}))
+    env = {**os.environ, runtime.CONFIG_ENV: str(tmp_path / "config.yaml"), runtime.TRIAL_ENV: str(spec)}
+    done = subprocess.run([sys.executable, str(script), "--arch", arch], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(result.read_text())
+    assert r["status"] == "ok"
+    assert r["applied"] == (["channels_last.enabled"] if reached else [])
+
+
+def test_nccl_variables_count_only_under_an_nccl_process_group(knobs, monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    for var in ("NCCL_ALGO", "NCCL_MIN_NCHANNELS", "NCCL_BUFFSIZE"):
+        monkeypatch.delenv(var, raising=False)
+    knobs(nccl_env__algo="ring")
+    runtime.nccl_env()
+    assert os.environ["NCCL_ALGO"] == "Ring"
+    assert runtime.applied() == []  # set, but nothing reads it yet
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert runtime.applied() == []  # a gloo group never reads NCCL's variables
+    finally:
+        dist.destroy_process_group()
