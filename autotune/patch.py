@@ -368,7 +368,7 @@ def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> li
     if out_dir == root:
         raise UsageError(f"{out_dir}: the output folder must not be the script's own folder (use --in-place)")
     written = write_files(result, out_dir)
-    config = out_dir / CONFIG_NAME
+    config = out_dir / result.files[0].rel.parent / CONFIG_NAME  # the runtime reads it beside the entry
     header = (
         f"# Knobs autotune injected into {script_display}. Every value is the default, which reproduces the\n"
         "# original script exactly. Change a value (one of its choices) to try it, or run `autotune search`.\n"
@@ -401,7 +401,7 @@ def write_in_place(result: PatchResult) -> list[Path]:
         shutil.copy2(f.facts.path, _backup_path(f.facts.path))
         f.facts.path.write_text(f.new_text, encoding="utf-8")
         written.append(f.facts.path)
-    config = result.project.root / CONFIG_NAME
+    config = result.project.entry.path.parent / CONFIG_NAME
     if config.exists():
         shutil.copy2(config, _backup_path(config))
     doc = {"script": result.project.entry.display, "knobs": knob_table(result.knobs)}

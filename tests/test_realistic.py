@@ -67,6 +67,7 @@ def test_patches_compiles_repatches_to_nothing_and_keeps_losses(folder: Path, tm
     out = tmp_path / "out"
     write_outputs(result, out, str(case.entry))
     patched = out / result.files[0].rel
+    assert (patched.parent / "autotune.yaml").is_file()  # the runtime reads the knob table beside the entry
     again = run(load_project(patched))
     assert not [f.rel for f in again.files if f.changed], "a second patch changed the patched script"
     if case.args is None:
