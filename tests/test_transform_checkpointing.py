@@ -67,6 +67,10 @@ def _image_loss(model, g):
     return torch.nn.functional.cross_entropy(model(x), torch.tensor([1, 7]))
 
 
+def _llama_loss(model, g):
+    return model(torch.randint(0, 64, (2, 6), generator=g))
+
+
 def _tokens_loss(model, g):
     return model(torch.randn(2, 5, 32, generator=g)).logsumexp(dim=-1).mean()
 
@@ -78,6 +82,8 @@ CASE_SPECS = {
     "sequential_stack": ("ResNet", dict(channels=16, depth=4), _image_loss, 4, 2),
     # stages of depths 2, 2, 4: only the 8 inner blocks are checkpointed, never the stages around them
     "nested_blocks": ("Net", dict(dim=32, depths=(2, 2, 4)), _tokens_loss, 8, 4),
+    # an empty ModuleList filled by append(), each block called with a second argument
+    "llama_append": ("Transformer", dict(n_layers=4), _llama_loss, 4, 2),
 }
 
 
