@@ -725,8 +725,18 @@ def _load_project(entry: Path) -> Project:
     entry_facts = ModuleFacts.load(entry.resolve(), display, _modname(outer[0], entry.resolve()) if in_package else entry.stem)
     modules = [entry_facts]
     seen = {entry.resolve()}
-    queue = [entry_facts]
     root = folder
+    if in_package:  # `python -m scripts.train` runs scripts/__init__.py first
+        package = folder
+        while package != outer[0]:  # type: ignore[index]
+            init = package / "__init__.py"
+            if init.read_text(encoding="utf-8", errors="replace").strip():
+                seen.add(init)
+                shown = os.path.normpath(Path(display).parent / os.path.relpath(init, folder))
+                modules.append(ModuleFacts.load(init, shown, _modname(outer[0], init)))  # type: ignore[index]
+                root = outer[0]  # type: ignore[index]
+            package = package.parent
+    queue = list(modules)
     while queue:
         facts = queue.pop(0)
         for dotted, level in facts.imported_modules:

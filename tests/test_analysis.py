@@ -71,7 +71,7 @@ def test_entry_in_scripts_folder_finds_the_package_at_the_repository_root():
     root = REPO / "fixtures/realistic/pkg_scripts"
     project = load_project(root / "scripts/train.py")
     assert project.root == root
-    assert {m.modname for m in project.modules} == {"scripts.train", "mypkg", "mypkg.data", "mypkg.model"}
+    assert {m.modname for m in project.modules} == {"scripts.train", "scripts", "mypkg", "mypkg.data", "mypkg.model"}
     model = project.by_modname("mypkg.model")
     assert model is not None and model.display == str(root / "mypkg/model.py")
 

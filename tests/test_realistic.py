@@ -17,8 +17,8 @@ from autotune.patch import run, write_outputs
 from autotune.transform import all_transforms
 
 # What this branch achieves on fixtures/realistic; a change that lowers either fails here.
-PRECISION_FLOOR = 0.92
-RECALL_FLOOR = 0.85
+PRECISION_FLOOR = 0.928  # 129/139 at the end of this branch (0.92 before its coverage work)
+RECALL_FLOOR = 0.917  # 123/134 (0.85 before)
 STEPS = 3
 
 # Scripts that crash scan or patch, or change at default knobs, for reasons issue 12 assigns elsewhere: each
