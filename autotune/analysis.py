@@ -11,6 +11,7 @@ import ast
 import bisect
 import contextlib
 import gc
+import os
 import re
 import typing
 from collections.abc import Iterator
@@ -683,8 +684,36 @@ def _modname(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
+def _outer_base(folder: Path) -> tuple[Path, bool] | None:
+    """Where local imports resolve besides the entry's folder, and whether only packages count there.
+
+    An entry inside a package (``scripts/__init__.py``) runs as ``python -m scripts.train`` from above every
+    enclosing package, where any module imports. Otherwise the parent folder counts for packages only (a
+    folder with ``__init__.py``): ``scripts/train.py`` importing ``mypkg`` from the repository root, run with
+    the root on the path; a lone module there is too weak a sign that the script means it.
+    """
+    top = folder
+    while (top / "__init__.py").is_file():
+        top = top.parent
+    if top != folder:
+        return top, False
+    return (folder.parent, True) if folder.parent != folder else None
+
+
+def _find_module(bases: list[tuple[Path, bool]], dotted: str) -> tuple[Path, Path] | None:
+    """The first base where ``dotted`` is a local module, and its file."""
+    for base, packages_only in bases:
+        if packages_only and not (base / dotted.split(".")[0] / "__init__.py").is_file():
+            continue
+        path = _module_path(base, dotted)
+        if path is not None:
+            return base, path
+    return None
+
+
 def load_project(entry: Path) -> Project:
-    """Parse ``entry`` and every local module it imports, transitively (files under the entry's directory)."""
+    """Parse ``entry`` and every local module it imports, transitively: files under the entry's folder, and
+    packages beside it (see ``_outer_base``)."""
     with no_gc():
         return _load_project(Path(entry))
 
@@ -692,11 +721,25 @@ def load_project(entry: Path) -> Project:
 def _load_project(entry: Path) -> Project:
     display = str(entry)
     read_source(entry, display)  # one clear error for a missing, binary, empty or undecodable entry
-    root = entry.resolve().parent
-    entry_facts = ModuleFacts.load(entry.resolve(), display, entry.stem)
+    folder = entry.resolve().parent
+    outer = _outer_base(folder)
+    bases = [(folder, False), *([outer] if outer else [])]
+    in_package = outer is not None and not outer[1]
+    entry_facts = ModuleFacts.load(entry.resolve(), display, _modname(outer[0], entry.resolve()) if in_package else entry.stem)
     modules = [entry_facts]
     seen = {entry.resolve()}
-    queue = [entry_facts]
+    root = folder
+    if in_package:  # `python -m scripts.train` runs scripts/__init__.py first
+        package = folder
+        while package != outer[0]:  # type: ignore[index]
+            init = package / "__init__.py"
+            if init.read_text(encoding="utf-8", errors="replace").strip():
+                seen.add(init)
+                shown = os.path.normpath(Path(display).parent / os.path.relpath(init, folder))
+                modules.append(ModuleFacts.load(init, shown, _modname(outer[0], init)))  # type: ignore[index]
+                root = outer[0]  # type: ignore[index]
+            package = package.parent
+    queue = list(modules)
     while queue:
         facts = queue.pop(0)
         for dotted, level in facts.imported_modules:
@@ -704,12 +747,15 @@ def _load_project(entry: Path) -> Project:
             parts = name.split(".")
             # importing a.b.c runs a/__init__.py and a/b/__init__.py too
             for i in range(1, len(parts) + 1):
-                path = _module_path(root, ".".join(parts[:i]))
-                if path is None or path.resolve() in seen:
+                found = _find_module(bases, ".".join(parts[:i]))
+                if found is None or found[1].resolve() in seen:
                     continue
+                base, path = found
                 seen.add(path.resolve())
-                shown = str(Path(display).parent / path.relative_to(root))
-                child = ModuleFacts.load(path, shown, _modname(root, path))
+                if base != folder:
+                    root = base  # the project's files are laid out from the outer folder
+                shown = os.path.normpath(Path(display).parent / os.path.relpath(path, folder))
+                child = ModuleFacts.load(path, shown, _modname(base, path))
                 modules.append(child)
                 queue.append(child)
     project = Project(root, entry_facts, modules)

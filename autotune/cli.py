@@ -144,10 +144,12 @@ def cmd_patch(args: argparse.Namespace, console: Console) -> int:
         return 0
     out = Path(args.out)
     written = write_outputs(result, out, args.path)
-    entry = out / result.files[0].rel
+    rel = result.files[0].rel
+    # an entry below the project's root imports the root's packages: run as a module from there
+    how = f"cd {out} && python -m {'.'.join(rel.with_suffix('').parts)}" if rel.parent != Path() else f"python {out / rel}"
     console.print(
         f"wrote {len(written)} files to {out}/ ({len(result.knobs)} knobs at their defaults in autotune.yaml, "
-        f"diff in {DIFF_NAME}); run it with: python {entry}"
+        f"diff in {DIFF_NAME}); run it with: {how}"
     )
     return 0
 

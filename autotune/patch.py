@@ -371,14 +371,16 @@ def write_outputs(result: PatchResult, out_dir: Path, script_display: str) -> li
     """Write the patched files, the unchanged local modules beside them, autotune.yaml and patch.diff."""
     import yaml  # here, not at the top: scan and patch --diff write no config, and start-up counts
 
-    out_dir = files.claim_out_dir(check_out_dir(out_dir, result.project, (CONFIG_NAME, DIFF_NAME)))
+    beside = result.files[0].rel.parent / CONFIG_NAME
+    out_dir = files.claim_out_dir(check_out_dir(out_dir, result.project, (beside, DIFF_NAME)))
     written = write_files(result, out_dir)
     header = (
         f"# Knobs autotune injected into {script_display}. Every value is the default, which reproduces the\n"
         "# original script exactly. Change a value (one of its choices) to try it, or run `autotune search`.\n"
     )
     doc = {"script": script_display, "knobs": knob_table(result.knobs)}
-    config = files.write_file(out_dir / CONFIG_NAME, header + yaml.safe_dump(doc, sort_keys=False))
+    # the runtime reads it beside the entry (in a subfolder for an entry such as scripts/train.py)
+    config = files.write_file(out_dir / result.files[0].rel.parent / CONFIG_NAME, header + yaml.safe_dump(doc, sort_keys=False))
     diff = files.write_file(out_dir / DIFF_NAME, result.diff())
     return [*written, config, diff]
 
@@ -390,7 +392,7 @@ def write_in_place(result: PatchResult) -> list[Path]:
 
     doc = {"script": result.project.entry.display, "knobs": knob_table(result.knobs)}
     changes = [(f.facts.path, f.new_text) for f in result.files if f.changed]
-    changes.append((result.project.root / CONFIG_NAME, yaml.safe_dump(doc, sort_keys=False)))
+    changes.append((result.project.entry.path.parent / CONFIG_NAME, yaml.safe_dump(doc, sort_keys=False)))
     return files.replace_all(changes)
 
 

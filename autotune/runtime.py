@@ -415,6 +415,19 @@ def checkpoint_sequential(seq: Any, x: Any) -> Any:
     return x
 
 
+def checkpoint_switch(model: Any, method: str) -> None:
+    """Call the model library's own activation-checkpointing switch ``method`` when the knob is on."""
+    if not knob("checkpointing.framework", False):
+        return
+    if method == "gradient_checkpointing_enable":
+        try:  # non-reentrant, as autotune checkpoints blocks itself
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        except TypeError:  # transformers before 4.35 takes no arguments
+            model.gradient_checkpointing_enable()
+    else:
+        getattr(model, method)(True)
+
+
 # --- compile -----------------------------------------------------------------------------------------------
 
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")

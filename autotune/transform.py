@@ -187,15 +187,16 @@ def is_docstring(node: cst.BaseStatement) -> bool:
     )
 
 
-def move_into_helper(call: cst.Call, names: set[str], helper: str) -> cst.Call:
-    """``call`` whose keyword arguments in ``names`` move, as written, into ``**helper(...)`` appended last."""
+def move_into_helper(call: cst.Call, names: set[str], helper: str, splats: bool = False) -> cst.Call:
+    """``call`` whose keyword arguments in ``names`` (and, with ``splats``, its ``**dict`` arguments) move, as
+    written, into ``**helper(...)`` appended last."""
     args = list(call.args)
-    taken = [a for a in args if a.keyword is not None and a.keyword.value in names]
+    taken = [a for a in args if (a.keyword is not None and a.keyword.value in names) or (splats and a.star == "**")]
     keep = [a for a in args if a not in taken]
     if keep and taken and keep[-1] is not args[-1]:
         keep[-1] = keep[-1].with_changes(comma=args[-1].comma)  # the last argument's comma: trailing or none
     space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
-    inner_args = [kwarg(a.keyword.value, a.value) for a in taken]
+    inner_args = [star_kwargs(a.value) if a.star else kwarg(a.keyword.value, a.value) for a in taken]
     inner_args = [a.with_changes(comma=space) for a in inner_args[:-1]] + inner_args[-1:]
     inner = cst.Call(func=expr(helper), args=inner_args)
     out = add_args(call.with_changes(args=keep), star_kwargs(inner))

@@ -67,6 +67,26 @@ def test_package_project_follows_local_imports():
     assert loop.module.modname == "mylib.engine"
 
 
+def test_entry_in_scripts_folder_finds_the_package_at_the_repository_root():
+    root = REPO / "fixtures/realistic/pkg_scripts"
+    project = load_project(root / "scripts/train.py")
+    assert project.root == root
+    assert {m.modname for m in project.modules} == {"scripts.train", "scripts", "mypkg", "mypkg.data", "mypkg.model"}
+    model = project.by_modname("mypkg.model")
+    assert model is not None and model.display == str(root / "mypkg/model.py")
+
+
+def test_a_lone_module_beside_a_plain_script_folder_is_not_imported(tmp_path: Path):
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools/train.py").write_text("import helpers\nimport pkg.mod\n")
+    (tmp_path / "helpers.py").write_text("x = 1\n")  # no package: running tools/train.py cannot import it
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/__init__.py").write_text('"""A package."""\n')
+    (tmp_path / "pkg/mod.py").write_text("y = 2\n")
+    project = load_project(tmp_path / "tools/train.py")
+    assert {m.modname for m in project.modules} == {"train", "pkg", "pkg.mod"}
+
+
 def test_scheduler_step_is_not_an_optimizer_step():
     project = load_project(SCRIPTS / "module_level.py")
     (loop,) = project.loops

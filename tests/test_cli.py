@@ -104,6 +104,18 @@ def test_patch_writes_outputs_and_leaves_original_alone(in_tmp, capsys):
     assert "+import autotune.runtime as _autotune" in capsys.readouterr().out
 
 
+def test_patch_of_an_entry_in_scripts_lays_out_the_project_and_says_how_to_run_it(in_tmp, capsys):
+    import shutil
+
+    shutil.copytree(REPO / "fixtures/realistic/pkg_scripts", in_tmp / "proj")
+    assert main(["patch", "proj/scripts/train.py", "--out", "out"]) == 0
+    out = in_tmp / "out"
+    files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert files == {"scripts/__init__.py", "scripts/train.py", "scripts/autotune.yaml", "mypkg/__init__.py",
+                     "mypkg/model.py", "mypkg/data.py", "patch.diff"}
+    assert "run it with: cd out && python -m scripts.train" in " ".join(capsys.readouterr().out.split())
+
+
 def test_patch_diff_writes_nothing(in_tmp, capsys):
     (in_tmp / "train.py").write_text(CNN.read_text())
     before = _files(in_tmp)

@@ -399,3 +399,18 @@ def test_the_plot_compares_each_run_with_its_own_machines_baseline():
     assert data.points["baseline"] == [(0, pytest.approx(1.0)), (1, pytest.approx(1.0))]
     assert data.points["ok"] == [(2, pytest.approx(2.0)), (3, pytest.approx(1.25))]
     assert data.points["diverged"] == [(4, pytest.approx(1.0))]
+
+
+def test_a_trial_of_an_entry_in_scripts_imports_the_package_at_the_project_root(tmp_path):
+    from autotune.analysis import load_project
+    from autotune.patch import run
+    from autotune.search.trial import Runner, TrialSettings
+
+    root = Path(__file__).resolve().parent.parent / "fixtures/realistic/pkg_scripts"
+    patch = run(load_project(root / "scripts/train.py"))
+    settings = TrialSettings((), tmp_path, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    runner = Runner(patch, tmp_path / "work", settings)
+    result = runner.run({}, "baseline", timeout=240)
+    assert result.status is Outcome.OK, result.stderr_tail
+    assert result.steps_done == 3 and all(len(step) == 1 for step in result.losses)
+    assert (runner.entry.parent / "autotune.yaml").is_file()  # beside the entry, where the runtime looks

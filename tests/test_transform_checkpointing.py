@@ -67,6 +67,10 @@ def _image_loss(model, g):
     return torch.nn.functional.cross_entropy(model(x), torch.tensor([1, 7]))
 
 
+def _llama_loss(model, g):
+    return model(torch.randint(0, 64, (2, 6), generator=g))
+
+
 def _tokens_loss(model, g):
     return model(torch.randn(2, 5, 32, generator=g)).logsumexp(dim=-1).mean()
 
@@ -78,6 +82,8 @@ CASE_SPECS = {
     "sequential_stack": ("ResNet", dict(channels=16, depth=4), _image_loss, 4, 2),
     # stages of depths 2, 2, 4: only the 8 inner blocks are checkpointed, never the stages around them
     "nested_blocks": ("Net", dict(dim=32, depths=(2, 2, 4)), _tokens_loss, 8, 4),
+    # an empty ModuleList filled by append(), each block called with a second argument
+    "llama_append": ("Transformer", dict(n_layers=4), _llama_loss, 4, 2),
 }
 
 
@@ -202,3 +208,117 @@ def test_package_project_trains_bitwise_the_same_with_checkpointing(tmp_path):
     env = {"OMP_NUM_THREADS": "1"}
     want = run_probe(PROJECT / "train.py", args, steps=4, env=env, timeout=300)
     assert run_probe(out / "train.py", args, steps=4, env={**env, runtime.CONFIG_ENV: str(config)}, timeout=300) == want
+
+
+# --- the model library's own switch (transformers, timm) -----------------------------------------------------
+
+# A stand-in for timm, written beside the script: its model checkpoints its blocks once switched, and says so.
+FAKE_TIMM = '''
+import pathlib
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(16, num_classes)
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+        pathlib.Path("switched").write_text("yes")
+
+    def forward(self, x):
+        x = x.flatten(1)[:, :16]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and self.training else block(x)
+        return self.head(x)
+
+
+def create_model(name, num_classes):
+    return _Net(num_classes)
+'''
+
+
+def _patch(name: str):
+    return run(load_project(CASES / f"{name}.in.py"), select(["checkpointing"]), hooks=False)
+
+
+def test_library_models_offer_their_own_switch():
+    hf, timm, user = (_patch(n) for n in ("framework_hf", "framework_timm", "framework_user_switch"))
+    assert [(s.status, s.reason) for s in hf.sites] == [(
+        Status.APPLICABLE,
+        'model = AutoModelForCausalLM.from_pretrained(... is a transformers model: its own switch, '
+        'model.gradient_checkpointing_enable(), becomes a knob',
+    )]  # the tokenizer is no model
+    assert [s.status for s in timm.sites] == [Status.APPLICABLE]
+    assert [(s.status, s.reason) for s in user.sites] == [
+        (Status.USER, "the script calls model.set_grad_checkpointing() itself")
+    ]
+    assert [k.name for k in hf.knobs] == [k.name for k in timm.knobs] == ["checkpointing.framework"]
+    assert not user.knobs
+    assert [k.name for k in _patch("gpt_blocks").knobs] == ["checkpointing.blocks"]
+
+
+def test_switch_helper_calls_the_library_only_when_the_knob_is_on(tmp_path, monkeypatch):
+    called = []
+
+    class NewHF:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            called.append(("new", gradient_checkpointing_kwargs))
+
+    class OldHF:
+        def gradient_checkpointing_enable(self):
+            called.append(("old", None))
+
+    class Timm:
+        def set_grad_checkpointing(self, enable=True):
+            called.append(("timm", enable))
+
+    runtime.reset()
+    for model, method in ((NewHF(), "gradient_checkpointing_enable"), (Timm(), "set_grad_checkpointing")):
+        runtime.checkpoint_switch(model, method)
+    assert called == []  # default: the script as written
+    config = tmp_path / "on.yaml"
+    config.write_text("knobs:\n  checkpointing.framework: true\n")
+    monkeypatch.setenv(runtime.CONFIG_ENV, str(config))
+    runtime.reset()
+    try:
+        runtime.checkpoint_switch(NewHF(), "gradient_checkpointing_enable")
+        runtime.checkpoint_switch(OldHF(), "gradient_checkpointing_enable")
+        runtime.checkpoint_switch(Timm(), "set_grad_checkpointing")
+    finally:
+        runtime.reset()
+    assert called == [("new", {"use_reentrant": False}), ("old", None), ("timm", True)]
+
+
+@pytest.mark.slow
+def test_timm_switch_keeps_losses_and_reaches_the_model(tmp_path):
+    from transform_cases import baked, losses, original, patched
+
+    (tmp_path / "timm.py").write_text(FAKE_TIMM)
+    base = original(tmp_path, "checkpointing", "framework_timm")
+    assert not (tmp_path / "switched").exists()
+    gated = patched("checkpointing", "framework_timm")
+    assert losses(tmp_path, "default", gated) == base
+    assert not (tmp_path / "switched").exists()
+    knobs = {"checkpointing.framework": True}
+    assert losses(tmp_path, "on", gated, knobs) == base
+    assert (tmp_path / "switched").exists()
+    (tmp_path / "switched").unlink()
+    assert losses(tmp_path, "baked", baked("checkpointing", "framework_timm", knobs)) == base
+    assert (tmp_path / "switched").exists()

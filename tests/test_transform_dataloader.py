@@ -33,7 +33,10 @@ DATASET = TensorDataset(torch.arange(8.0))
         ("user_zero_workers", [A]),
         ("batch_sampler", [A]),
         ("all_set", [U]),
-        ("kwargs_splat", [N]),
+        ("kwargs_splat", [N]),  # read from a config file
+        ("kwargs_update", [A]),  # a literal dict .update()d with another
+        ("kwargs_conditional", [A]),  # one of two literal dicts
+        ("kwargs_passed_on", [N]),  # handed to a function that may set anything
         ("lookalike", []),  # a local class named DataLoader
         ("no_training_loop", [N]),
     ],
@@ -48,6 +51,11 @@ def test_reasons():
     )
     assert sites(T, "user_zero_workers")[0].reason == "DataLoader: pin_memory becomes a knob; num_workers=0 kept as written"
     assert sites(T, "kwargs_splat")[0].reason == "**CONFIG may set the loader settings"
+    assert sites(T, "kwargs_passed_on")[0].reason == "**loader_kwargs may set the loader settings"
+    assert sites(T, "kwargs_update")[0].reason == (
+        "DataLoader: persistent_workers, prefetch_factor become knobs; num_workers in **train_kwargs, "
+        "pin_memory in **train_kwargs kept as written"
+    )
 
 
 def test_the_knob_table_lists_only_knobs_that_can_change_something():
@@ -182,6 +190,33 @@ def test_baked_calls_are_legal_and_match_the_runtime(name, set_knobs):
             assert normal == {k: v for k, v in expected.items() if (k, v) not in DEFAULTS}, (knobs, workers)
 
 
+@pytest.mark.parametrize("name, dict_name", [("kwargs_update", "train_kwargs"), ("kwargs_conditional", "kwargs")])
+def test_baked_dict_splat_is_legal_on_every_path(name, dict_name):
+    """The splatted dict holds workers on CUDA only: baked settings read it there and never repeat its keys."""
+    knobs = {"dataloader.num_workers": 2, "dataloader.pin_memory": True, "dataloader.persistent_workers": True,
+             "dataloader.prefetch_factor": 4}
+    module = cst.parse_module(baked(T, name, knobs))
+    found = []
+
+    class Finder(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if module.code_for_node(node.func).endswith("DataLoader"):
+                found.append(node)
+
+    module.visit(Finder())
+    (call,) = found
+    for loader_dict in ({}, {"num_workers": 1, "pin_memory": True}):
+        env = {dict_name: loader_dict}
+        settings = {
+            a.keyword.value: eval(module.code_for_node(a.value), env)  # noqa: S307 - our own generated code
+            for a in call.args
+            if a.keyword is not None and a.keyword.value in SETTINGS
+        }
+        assert not set(settings) & set(loader_dict), (settings, loader_dict)
+        assert _legal({**loader_dict, **settings}), (settings, loader_dict)
+        assert bool(settings.get("persistent_workers")) == bool(loader_dict.get("num_workers")), settings
+
+
 def test_defaults_bake_nothing():
     defaults = {k.name: k.default for k in Dataloader.knobs}
     assert baked(T, "plain", defaults) == case_text("plain")
@@ -219,6 +254,17 @@ def test_losses_with_the_scripts_own_workers(tmp_path, workers):
     knobs = {"dataloader.persistent_workers": True, "dataloader.prefetch_factor": 8}
     on = losses(tmp_path, "on", gated, knobs, args=args)
     assert losses(tmp_path, "baked", baked(T, "user_workers", knobs), args=args) == on == base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kwargs_update", "kwargs_conditional"])
+def test_losses_with_a_splatted_dict(tmp_path, name):
+    base = original(tmp_path, T, name)
+    gated = patched(T, name)
+    assert losses(tmp_path, "default", gated) == base
+    knobs = {"dataloader.persistent_workers": True, "dataloader.prefetch_factor": 4}
+    on = losses(tmp_path, "on", gated, knobs)
+    assert losses(tmp_path, "baked", baked(T, name, knobs)) == on == base
 
 
 @pytest.mark.cuda

@@ -63,6 +63,7 @@ def _cases():
     pad = torch.ones(3, 24, dtype=torch.long)
     pad[0, 20:] = 0
     pad[2, 5:] = 0
+    causal = torch.triu(torch.full((12, 12), float("-inf")), diagonal=1)
     return {
         "gpt_causal": [
             ("CausalSelfAttention", lambda c: c(n_embd=64, n_head=4, block_size=32, dropout=0.0), [torch.randn(2, 32, 64, generator=g)]),
@@ -80,6 +81,11 @@ def _cases():
                 lambda c: c(d_model=64, n_heads=4),
                 [torch.randn(2, 10, 64, generator=g), torch.randn(2, 14, 64, generator=g), torch.randn(2, 1, 10, 14, generator=g)],
             ),
+        ],
+        "llama_gqa": [
+            # grouped heads, additive causal mask, softmax in float32 cast back
+            ("Attention", lambda c: c(dim=64, n_heads=4, n_kv_heads=2), [torch.randn(2, 12, 64, generator=g), causal]),
+            ("Attention", lambda c: c(dim=64, n_heads=4, n_kv_heads=2), [torch.randn(2, 12, 64, generator=g), None]),
         ],
     }
 
@@ -205,8 +211,14 @@ HEADER = "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.func
             "    return p @ v\n",
             "`s` (an intermediate of the attention) is also used at line 10",
         ),
+        (
+            "def f(q, k, v):\n"
+            "    s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5\n"
+            "    return F.softmax(s.float(), dim=-1) @ v\n",
+            "never cast back",
+        ),
     ],
-    ids=["finite-fill", "mask-before-scale", "k-not-transposed", "tensor-scale", "wrong-dim", "scores-kept"],
+    ids=["finite-fill", "mask-before-scale", "k-not-transposed", "tensor-scale", "wrong-dim", "scores-kept", "float-kept"],
 )
 def test_near_misses_say_why(tmp_path, body, reason):
     sites, text = _patch_text(tmp_path, HEADER + body)
@@ -258,3 +270,25 @@ def test_package_project_trains_the_same_with_sdpa(tmp_path):
     assert run_probe(out / "train.py", args, steps=4, env=env, timeout=300) == want
     got = run_probe(out / "train.py", args, steps=4, env={**env, runtime.CONFIG_ENV: str(config)}, timeout=300)
     assert [float.fromhex(v) for v in got] == pytest.approx([float.fromhex(v) for v in want], rel=1e-5)
+
+
+def test_transpose_2_3_runs_sdpa_only_for_4d_keys(tmp_path, knob):
+    """``k.transpose(2, 3)`` is k^T only for 4-D keys: the rewrite checks the rank, else runs the script's code."""
+    body = (
+        "def attend(q, k, v):\n"
+        "    s = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.size(-1))\n"
+        "    return torch.matmul(F.softmax(s, dim=-1), v)\n"
+    )
+    sites, text = _patch_text(tmp_path, HEADER + body)
+    assert [s.status for s in sites] == [Status.APPLICABLE]
+    assert "if _autotune.sdpa_enabled() and k.dim() == 4:" in text
+    namespace: dict = {}
+    exec(compile(text, "attn.py", "exec"), namespace)
+    exec(compile(HEADER + body, "orig.py", "exec"), namespace | {"__name__": "orig"}, orig := {})
+    knob("sdpa")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
+    torch.testing.assert_close(namespace["attend"](q, k, v), orig["attend"](q, k, v))
+    # 5-D: transpose(2, 3) is not the last two dims, and SDPA would compute something else
+    q, k, v = torch.randn(1, 2, 3, 4, 5, generator=g), torch.randn(1, 2, 5, 3, 6, generator=g), torch.randn(1, 2, 3, 6, 7, generator=g)
+    assert torch.equal(namespace["attend"](q, k, v), orig["attend"](q, k, v))

@@ -366,6 +366,31 @@ def stack_of(facts: ModuleFacts, scope: cst.CSTNode | None, value: cst.BaseExpre
     return Stack(kind, quals.pop() if len(quals) == 1 else None, count, tuple(calls), facts)
 
 
+def attr_stack_of(facts: ModuleFacts, init: cst.CSTNode | None, attr: str, value: cst.BaseExpression) -> Stack | None:
+    """``stack_of`` for ``self.<attr> = value``, also when an empty ``nn.ModuleList()`` is filled in ``__init__``
+    by ``self.<attr>.append(Block(...))`` (LLaMA's reference model)."""
+    stack = stack_of(facts, init, value)
+    if stack is None or stack.element is not None or stack.kind != MODULE_LIST or value.args or init is None:  # type: ignore[attr-defined]
+        return stack
+    calls = []
+    for call in facts.calls_in(init):
+        func = call.func
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value == "append"
+            and self_attr(func.value) == attr
+            and len(call.args) == 1
+            and isinstance(call.args[0].value, cst.Call)
+        ):
+            calls.append(call.args[0].value)
+        elif isinstance(func, cst.Attribute) and self_attr(func.value) == attr:
+            return stack  # extended, inserted into...: the elements cannot be seen
+    quals = {facts.qualname(c.func) for c in calls}
+    if len(quals) != 1:
+        return stack
+    return Stack(stack.kind, quals.pop(), None, tuple(calls), facts)
+
+
 def is_block_class(project: Project, qual: str | None) -> bool:
     """Whether elements built from ``qual`` are blocks: a local class, a torch transformer layer, or an
     nn.Sequential of layers (a block written inline)."""
@@ -413,6 +438,8 @@ def attr_stack(ref: ClassRef, chain: list[str]) -> Stack | None:
         return None
     if value is None:
         return None
+    if len(chain) == 1:
+        return attr_stack_of(ref.facts, ref.method("__init__"), chain[0], value)
     return stack_of(ref.facts, ref.method("__init__"), value)
 
 
@@ -428,7 +455,7 @@ def block_paths(project: Project, model, depth: int = 0) -> list[str]:
     init = model.method("__init__")
     out: list[str] = []
     for attr, value in model.attrs():
-        stack = stack_of(model.facts, init, value)
+        stack = attr_stack_of(model.facts, init, attr, value)
         if stack is not None:
             if stack.element and is_block_class(project, stack.element):
                 out.append(attr)

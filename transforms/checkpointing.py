@@ -34,6 +34,47 @@ STATEFUL = {
 }
 
 
+# the libraries whose models carry their own activation-checkpointing switch, and its call
+SWITCHES = {"transformers": "gradient_checkpointing_enable", "timm": "set_grad_checkpointing"}
+SWITCH_ARGS = {"gradient_checkpointing_enable": 'gradient_checkpointing_kwargs={"use_reentrant": False}',
+               "set_grad_checkpointing": "True"}
+_TIMM_FACTORIES = {"timm.create_model", "timm.models.create_model"}
+
+
+def _library_model(facts: ModuleFacts, value: cst.BaseExpression) -> str | None:
+    """The library a model comes from: ``transformers.<Class>.from_pretrained(...)`` or ``timm.create_model(...)``."""
+    if not isinstance(value, cst.Call):
+        return None
+    qual = facts.qualname(value.func) or ""
+    if qual in _TIMM_FACTORIES:
+        return "timm"
+    if qual.startswith("transformers.") and qual.endswith((".from_pretrained", ".from_config")):
+        cls = qual.rsplit(".", 2)[-2]
+        # a model class: AutoModel..., GPT2LMHeadModel, BertForSequenceClassification; not AutoTokenizer/AutoConfig
+        return "transformers" if "Model" in cls or "For" in cls else None
+    return None
+
+
+def _is_switch_call(call: cst.Call, name: str) -> bool:
+    """``model.gradient_checkpointing_enable(...)`` / ``model.set_grad_checkpointing(...)`` (or its disabling twin)."""
+    func = call.func
+    return (
+        isinstance(func, cst.Attribute)
+        and is_name(func.value, name)
+        and func.attr.value in (*SWITCHES.values(), "gradient_checkpointing_disable")
+    )
+
+
+def _rebound_in_scope(facts: ModuleFacts, assign: cst.Assign, name: str) -> bool:
+    """Whether ``name`` gets another model in the same scope (``model = other`` as opposed to ``model.to(...)``)."""
+    scope = facts.function_of(assign) or facts.module
+    return any(
+        a is not assign and _library_model(facts, a.value) is not None
+        for a in facts.nodes_in(scope, cst.Assign)
+        if any(is_name(t.target, name) for t in a.targets)
+    )
+
+
 @dataclass(frozen=True)
 class _Site:
     """A place that runs repeated blocks one after the other."""
@@ -62,17 +103,66 @@ class Checkpointing(Transform):
             "activations in backward (use_reentrant=False, RNG state preserved: same losses, less memory, "
             "more compute)",
         ),
+        Knob(
+            "checkpointing.framework",
+            (False, True),
+            False,
+            Numerics.EXACT,
+            help="turn on the model library's own activation checkpointing: model.gradient_checkpointing_enable() "
+            "(transformers, use_reentrant=False) or model.set_grad_checkpointing() (timm)",
+        ),
     )
+    tracks_settings = True
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         for site in self.sites_in(facts):
             self.report(facts, site.node, site.status, site.reason)
             if site.status is not Status.APPLICABLE:
                 continue
+            self.settings_read.add("blocks")
             if self.mode.gated:
                 self._gate(facts, edits, site)
             else:
                 self._bake(facts, edits, site)
+        self._switches(facts, edits)
+
+    # --- the model library's own switch ------------------------------------------------------------------
+
+    def _switches(self, facts: ModuleFacts, edits: Edits) -> None:
+        """``model = AutoModel...from_pretrained(...)`` / ``timm.create_model(...)``: the library checkpoints its
+        own blocks, which autotune cannot see, when its switch is called."""
+        for assign in facts.assigns:
+            library = _library_model(facts, assign.value)
+            if library is None or len(assign.targets) != 1 or not is_name(assign.targets[0].target):
+                continue
+            name = assign.targets[0].target.value  # type: ignore[attr-defined]
+            method = SWITCHES[library]
+            made = f"{name} = {_short(facts, assign.value)}"
+            own = next((c for c in facts.calls if _is_switch_call(c, name)), None)
+            gated = any(
+                facts.is_runtime_call(c, "checkpoint_switch") and c.args and is_name(c.args[0].value, name) for c in facts.calls
+            )
+            if gated:
+                self.settings_read.add("framework")
+                self.report(facts, assign, Status.PRESENT, f"{name}.{method}() is already behind the checkpointing.framework knob")
+            elif own is not None:
+                self.report(facts, assign, Status.USER, f"the script calls {facts.code(own.func)}() itself")
+            elif not self.project.loops:
+                self.report(facts, assign, Status.NOT_APPLICABLE, "no training loop in this script")
+            elif _rebound_in_scope(facts, assign, name):
+                self.report(facts, assign, Status.NOT_APPLICABLE, f"`{name}` is bound more than once: which model trains is unclear")
+            else:
+                self.report(
+                    facts, assign, Status.APPLICABLE,
+                    f"{made} is a {library} model: its own switch, {name}.{method}(), becomes a knob",
+                )
+                self.settings_read.add("framework")
+                stmt_node = facts.statement_of(assign)
+                if self.mode.gated:
+                    helper = edits.runtime("checkpoint_switch")
+                    edits.insert_after(stmt_node, stmt(f'{helper}({name}, "{method}")\n'))
+                elif self.mode.value(self.knob("framework")):
+                    edits.insert_after(stmt_node, stmt(f"{name}.{method}({SWITCH_ARGS[method]})\n"))
 
     # --- finding blocks ----------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_i
 from autotune.transforms._model import ClassRef, argument, find_class, model_class, scope_of, training
 from autotune.transforms._sites import h2d_copy, short
 
+from ._model import assignments, is_name, scope_of
+
 _DATALOADER = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
 # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, ...): the sixth positional argument
@@ -66,25 +68,35 @@ class Dataloader(Transform):
             if any(facts.is_runtime_call(a.value, "dataloader_kwargs") for a in call.args if a.star == "**"):
                 self.report(facts, call, Status.PRESENT, "DataLoader settings are already knobs")
                 continue
-            splat = next((a for a in call.args if a.star), None)
-            if splat is not None:
+            splats = [a for a in call.args if a.star]
+            unknown = next((a for a in splats if a.star == "*" or _dict_keys(facts, call, a.value) is None), None)
+            if unknown is not None:
                 self.report(
-                    facts, call, Status.NOT_APPLICABLE, f"{splat.star}{facts.code(splat.value)} may set the loader settings"
+                    facts, call, Status.NOT_APPLICABLE, f"{unknown.star}{facts.code(unknown.value)} may set the loader settings"
                 )
                 continue
-            if len([a for a in call.args if a.keyword is None]) > _POSITIONAL_SETTINGS:
+            if len([a for a in call.args if a.keyword is None and not a.star]) > _POSITIONAL_SETTINGS:
                 self.report(facts, call, Status.NOT_APPLICABLE, "DataLoader settings passed by position")
                 continue
             on_device = self._dataset_on_device(facts, call)
             if on_device is not None:
                 self.report(facts, call, Status.NOT_APPLICABLE, on_device)
                 continue
-            written = {a.keyword.value: a for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
-            kept = ", ".join(f"{n}={facts.code(a.value)}" for n, a in written.items())
-            if len(written) == len(SETTINGS):
+            written = {a.keyword.value: a.value for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
+            kept = ", ".join(f"{n}={facts.code(v)}" for n, v in written.items())
+            # settings a splatted dict sets on some path: kept as the script sets them, on every path
+            in_dicts: dict[str, list[cst.BaseExpression]] = {}
+            for a in splats:
+                for key, values in _dict_keys(facts, call, a.value).items():  # type: ignore[union-attr]
+                    if key in SETTINGS:
+                        in_dicts.setdefault(key, []).extend(values)
+            kept = ", ".join(filter(None, [kept, *(f"{k} in **{facts.code(a.value)}" for a in splats
+                                                     for k in _dict_keys(facts, call, a.value) if k in SETTINGS)]))  # type: ignore[union-attr]
+            if len(written) + len(in_dicts) == len(SETTINGS):
                 self.report(facts, call, Status.USER, f"DataLoader({kept}) is the script's choice")
                 continue
-            free = [n for n in SETTINGS if n not in written and self._matters(n, written)]
+            workers = [written["num_workers"]] if "num_workers" in written else in_dicts.get("num_workers")
+            free = [n for n in SETTINGS if n not in written and n not in in_dicts and self._matters(n, workers)]
             verb = "becomes a knob" if len(free) == 1 else "become knobs"
             reason = f"DataLoader: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "")
             self.report(facts, call, Status.APPLICABLE, reason)
@@ -92,9 +104,10 @@ class Dataloader(Transform):
                 self.settings_read.update(free)
                 helper = edits.runtime("dataloader_kwargs")
                 moved = set(written)
-                edits.rewrite(call, lambda node, moved=moved, helper=helper: move_into_helper(node, moved, helper))
+                # the dicts go through the helper too: it adds a knob's setting only where the script set none
+                edits.rewrite(call, lambda node, moved=moved, helper=helper: move_into_helper(node, moved, helper, splats=True))
             else:
-                extra = self._baked(facts, written)
+                extra = self._baked(facts, written, workers, splats)
                 if extra:
                     edits.rewrite(call, lambda node, extra=extra: add_args(node, *extra))
 
@@ -155,33 +168,125 @@ class Dataloader(Transform):
         return None
 
     @staticmethod
-    def _matters(name: str, written: dict[str, cst.Arg]) -> bool:
-        """Whether the knob for ``name`` can change this call: workers-only settings need workers."""
-        if name in ("persistent_workers", "prefetch_factor") and "num_workers" in written:
-            value = written["num_workers"].value
-            return not (isinstance(value, cst.Integer) and int(value.value) == 0)
+    def _matters(name: str, workers: list[cst.BaseExpression] | None) -> bool:
+        """Whether the knob for ``name`` can change this call: workers-only settings need workers (``workers``:
+        the script's worker counts, on each path that sets one)."""
+        if name in ("persistent_workers", "prefetch_factor") and workers:
+            return not all(isinstance(v, cst.Integer) and int(v.value) == 0 for v in workers)
         return True
 
-    def _baked(self, facts: ModuleFacts, written: dict[str, cst.Arg]) -> list[cst.Arg]:
+    def _baked(
+        self, facts: ModuleFacts, written: dict[str, cst.BaseExpression], workers: list[cst.BaseExpression] | None,
+        splats: list[cst.Arg],
+    ) -> list[cst.Arg]:
         """Plain keyword arguments for the values that differ from DataLoader's defaults, and legal together."""
-        workers, pin, persistent, prefetch = (self.mode.value(k) for k in self.knobs)
+        n_workers, pin, persistent, prefetch = (self.mode.value(k) for k in self.knobs)
         out = []
         # `when`: None if the loader never has workers, "" if it always does, else the script's worker count
         if "num_workers" in written:
-            value = written["num_workers"].value
+            value = written["num_workers"]
             if isinstance(value, cst.Integer):
                 when = "" if int(value.value) > 0 else None
             else:
                 when = facts.code(value)
+        elif workers:  # set in a splatted dict, perhaps on some paths only: read it there
+            if all(isinstance(v, cst.Integer) and int(v.value) == 0 for v in workers):
+                when = None
+            else:
+                when = " or ".join(f"{facts.code(a.value)}.get('num_workers', 0)" for a in splats)
+                when = f"({when})" if len(splats) > 1 else when
         else:
-            when = "" if workers else None
-            if workers:
-                out.append(kwarg("num_workers", str(workers)))
-        if pin and "pin_memory" not in written:
+            when = "" if n_workers else None
+            if n_workers:
+                out.append(kwarg("num_workers", str(n_workers)))
+        names = set(written) | {k for a in splats for k in _dict_keys(facts, a, a.value) or ()}
+        if pin and "pin_memory" not in names:
             out.append(kwarg("pin_memory", "True"))
-        if persistent and "persistent_workers" not in written and when is not None:
+        if persistent and "persistent_workers" not in names and when is not None:
             out.append(kwarg("persistent_workers", f"bool({when})" if when else "True"))
-        if prefetch != 2 and "prefetch_factor" not in written and when is not None:
+        if prefetch != 2 and "prefetch_factor" not in names and when is not None:
             out.append(kwarg("prefetch_factor", f"{prefetch} if {when} else None" if when else str(prefetch)))
         return out
 
+
+def _literal_dict(node: cst.BaseExpression) -> dict[str, list[cst.BaseExpression]] | None:
+    """The keys of ``{"k": v}`` / ``dict(k=v)`` with their values, or of each branch of ``A if c else B``."""
+    if isinstance(node, cst.IfExp):
+        a, b = _literal_dict(node.body), _literal_dict(node.orelse)
+        if a is None or b is None:
+            return None
+        return {k: a.get(k, []) + b.get(k, []) for k in {**a, **b}}
+    if isinstance(node, cst.Dict):
+        out: dict[str, list[cst.BaseExpression]] = {}
+        for el in node.elements:
+            if not isinstance(el, cst.DictElement) or not isinstance(el.key, cst.SimpleString):
+                return None
+            out.setdefault(el.key.evaluated_value, []).append(el.value)  # type: ignore[arg-type]
+        return out
+    if isinstance(node, cst.Call) and is_name(node.func, "dict") and all(a.keyword is not None for a in node.args):
+        return {a.keyword.value: [a.value] for a in node.args}  # type: ignore[union-attr]
+    return None
+
+
+def _is_update(node: cst.CSTNode | None) -> bool:
+    return isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "update"
+
+
+def _dict_keys(facts: ModuleFacts, at: cst.CSTNode, value: cst.BaseExpression) -> dict[str, list[cst.BaseExpression]] | None:
+    """Every key a splatted dict may hold at ``at``, with the values it may take, when the script builds it in
+    plain sight: literal dicts assigned to one name in one scope, ``.update()``d with literal dicts or keywords,
+    or items stored under literal keys. None when anything else may touch it (passed to a call, a parameter...)."""
+    if not is_name(value):
+        return _literal_dict(value)
+    name = value.value  # type: ignore[attr-defined]
+    scope = scope_of(facts, at)
+    if not assignments(facts, scope, name) and scope is not facts.module:
+        scope = facts.module  # a module-level dict read inside a function
+    keys: dict[str, list[cst.BaseExpression]] = {}
+
+    def add(found: dict[str, list[cst.BaseExpression]] | None) -> bool:
+        if found is None:
+            return False
+        for k, v in found.items():
+            keys.setdefault(k, []).extend(v)
+        return True
+
+    for use in facts.nodes_in(scope, cst.Name):
+        if use.value != name:
+            continue
+        parent = facts.parent(use)
+        grand = facts.parent(parent) if parent is not None else None
+        if isinstance(parent, cst.AssignTarget) and isinstance(grand, cst.Assign) and len(grand.targets) == 1:
+            if not add(_literal_dict(grand.value)):
+                return None
+        elif isinstance(parent, cst.Attribute) and parent.value is use and parent.attr.value == "update":
+            call = grand
+            if not isinstance(call, cst.Call) or call.func is not parent:
+                return None
+            for arg in call.args:
+                if arg.keyword is not None:
+                    add({arg.keyword.value: [arg.value]})
+                elif arg.star or not add(_dict_keys(facts, call, arg.value)):
+                    return None
+        elif isinstance(parent, cst.Attribute) and parent.value is use and parent.attr.value in ("get", "copy", "keys", "items"):
+            continue  # reads
+        elif isinstance(parent, cst.Arg) and parent.star == "**":
+            continue  # splatted into a call: read
+        elif isinstance(parent, cst.Arg) and not parent.star and parent.keyword is None and _is_update(grand):
+            continue  # copied into another dict: read
+        elif isinstance(parent, cst.Subscript) and parent.value is use:
+            target = facts.parent(parent)
+            if isinstance(target, cst.AssignTarget):
+                index = parent.slice[0].slice if len(parent.slice) == 1 else None
+                if not (isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString)):
+                    return None
+                add({index.value.evaluated_value: [facts.parent(target).value]})  # type: ignore[union-attr,dict-item]
+        elif isinstance(parent, (cst.Param, cst.AnnAssign, cst.AugAssign, cst.For, cst.AsName, cst.Del)):
+            return None
+        elif isinstance(parent, cst.Attribute) and parent.attr is use:
+            continue  # ``x.train_kwargs``: another name
+        elif isinstance(parent, cst.Arg) and parent.keyword is use:
+            continue
+        else:
+            return None  # passed somewhere that may change it
+    return keys if keys or assignments(facts, scope, name) else None

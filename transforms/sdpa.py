@@ -73,6 +73,8 @@ class _Match:
     used: set[int] = field(default_factory=set)  # indices of the block's statements the attention spans
     consumed: set[cst.Name] = field(default_factory=set)  # the reads of intermediates the pattern accounts for
     leaves: list[cst.BaseExpression] = field(default_factory=list)  # expressions SDPA evaluates
+    cast_to: cst.BaseExpression | None = None  # ``softmax(s.float()).type_as(x)``: x must be the query
+    rank4: cst.BaseExpression | None = None  # ``k.transpose(2, 3)``: the last two dims only while k is 4-D
 
 
 class Sdpa(Transform):
@@ -123,7 +125,7 @@ class Sdpa(Transform):
         for call in facts.calls:
             if facts.qualname(call.func) != SDPA:
                 continue
-            gate = next((a for a in facts.ancestors(call) if isinstance(a, cst.If) and facts.is_runtime_call(a.test, "sdpa_enabled")), None)
+            gate = next((a for a in facts.ancestors(call) if isinstance(a, cst.If) and _gated(facts, a.test)), None)
             if gate is not None:
                 reason = "attention already behind the sdpa.attention knob"
             elif scope_of(facts, call) in manual_scopes:
@@ -175,8 +177,9 @@ class Sdpa(Transform):
         self.report(facts, m.softmax, Status.APPLICABLE, f"manual attention{where}{features}")
         keep = group[0].leading_lines
 
+        rank = f"{facts.code(m.rank4)}.dim() == 4" if m.rank4 is not None else None
         if self.mode.gated:
-            test = expr(f"{edits.runtime('sdpa_enabled')}()")
+            test = expr(f"{edits.runtime('sdpa_enabled')}()" + (f" and {rank}" if rank else ""))
 
             def gated(stmts: list[cst.BaseStatement]) -> cst.BaseStatement:
                 first = stmts[0].with_changes(leading_lines=[])
@@ -193,6 +196,10 @@ class Sdpa(Transform):
 
             def baked(stmts: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
                 fast = [stmts[i - lo].with_changes(leading_lines=[]) for i in hoisted] + [new_line.with_changes(leading_lines=[])]
+                if rank:  # the script's own code stays for keys of another rank
+                    first = stmts[0].with_changes(leading_lines=[])
+                    return [cst.If(test=expr(rank), body=cst.IndentedBlock(body=fast),
+                                   orelse=cst.Else(body=cst.IndentedBlock(body=[first, *stmts[1:]])), leading_lines=keep)]
                 fast[0] = fast[0].with_changes(leading_lines=keep)
                 return fast
 
@@ -347,6 +354,9 @@ class _Matcher:
         drop = node if guarded is None and isinstance(node, cst.Call) and _dropout_input(node) is not None else None
         if drop is not None:
             node, idx = self.follow(_dropout_input(drop), idx)
+        cast = _cast_back(node)
+        if cast is not None:  # LLaMA: softmax(scores.float()).type_as(xq), the weights in the query's dtype
+            node, self.m.cast_to = cast
         if not (isinstance(node, cst.Call) and _is_softmax(facts, node)):
             raise _NoMatch
         self.m.softmax = node
@@ -368,7 +378,13 @@ class _Matcher:
             raise self.fail("softmax over a dimension other than the last: not the key dimension of attention")
         if any(a.keyword is not None and a.keyword.value == "dtype" for a in node.args):
             raise self.fail("softmax with an explicit dtype: SDPA picks its own accumulation type")
+        if _is_float_cast(scores):
+            if self.m.cast_to is None:
+                raise self.fail("softmax of scores cast to float32, never cast back: the weights stay float32")
+            scores = scores.func.value  # type: ignore[attr-defined]
         self.scores(scores, idx, scaled=False)
+        if self.m.cast_to is not None and facts.code(self.m.cast_to) != facts.code(self.m.q):
+            raise self.fail(f"the weights are cast to the dtype of {_short(facts, self.m.cast_to)}, not of the query")
 
     def dropout_p(self, call: cst.Call) -> str:
         """The code of SDPA's dropout_p for ``self.attn_dropout(w)`` or ``F.dropout(w, p, training)``."""
@@ -551,6 +567,9 @@ class _Matcher:
     def qk(self, q: cst.BaseExpression, kt: cst.BaseExpression, idx: int) -> None:
         kt, _ = self.follow(kt, idx)
         k = _untransposed(kt)
+        if k is None and _transposes(kt, (2, 3)):
+            # the last two dims of a 4-D (batch, heads, seq, dim) key: the rewrite checks the rank when it runs
+            k = self.m.rank4 = kt.func.value  # type: ignore[attr-defined]
         if k is None:
             raise self.fail(
                 f"the scores are {_short(self.facts, q)} @ {_short(self.facts, kt)}, not q @ k.transpose(-2, -1)"
@@ -758,6 +777,42 @@ def _is_tril_ones(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
         return False
     sizes = positional(inner)
     return len(sizes) == 2 and facts.code(sizes[0]) == facts.code(sizes[1])
+
+
+def _gated(facts: ModuleFacts, test: cst.BaseExpression) -> bool:
+    """``_autotune.sdpa_enabled()``, alone or first in an ``and``."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        test = test.left
+    return facts.is_runtime_call(test, "sdpa_enabled")
+
+
+def _is_float_cast(node: cst.BaseExpression) -> bool:
+    """``x.float()``."""
+    return (
+        isinstance(node, cst.Call) and not node.args and isinstance(node.func, cst.Attribute) and node.func.attr.value == "float"
+    )
+
+
+def _cast_back(node: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+    """(softmax call, x) of ``softmax(...).type_as(x)``."""
+    if (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value == "type_as"
+        and len(node.args) == 1
+        and not node.args[0].keyword
+        and not node.args[0].star
+    ):
+        return node.func.value, node.args[0].value
+    return None
+
+
+def _transposes(kt: cst.BaseExpression, dims: tuple[int, int]) -> bool:
+    """``k.transpose(a, b)`` with {a, b} = ``dims``."""
+    if isinstance(kt, cst.Call) and isinstance(kt.func, cst.Attribute) and kt.func.attr.value in ("transpose", "swapaxes", "swapdims"):
+        got = [int_value(a.value) for a in kt.args if a.keyword is None and not a.star]
+        return len(kt.args) == 2 and sorted(d for d in got if d is not None) == sorted(dims)
+    return False
 
 
 def _untransposed(kt: cst.BaseExpression) -> cst.BaseExpression | None:

@@ -420,10 +420,13 @@ class Runner:
             dest = self.script_dir / f.rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(f.new_text, encoding="utf-8")
+        self.entry = self.script_dir / patch.files[0].rel
         # the knob table beside the patched entry: the runtime checks every configured knob against it
         table = {"script": patch.project.entry.display, "knobs": knob_table(patch.knobs)}
-        (self.script_dir / CONFIG_NAME).write_text(yaml.safe_dump(table, sort_keys=False), encoding="utf-8")
-        self.entry = self.script_dir / patch.files[0].rel
+        (self.entry.parent / CONFIG_NAME).write_text(yaml.safe_dump(table, sort_keys=False), encoding="utf-8")
+        # an entry below the project's root (scripts/train.py importing mypkg/) imports from the root, as
+        # `python -m scripts.train` run there would
+        self.pythonpath = str(self.script_dir) if self.entry.parent != self.script_dir else None
         self.knob_names = {k.name for k in patch.knobs}
         self._count = 0
         self._was_subreaper = _subreaper()
@@ -458,6 +461,8 @@ class Runner:
                 env.pop(key, None)
             else:
                 env[key] = value
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         env[CONFIG_ENV] = str(tdir / "config.yaml")
         env[TRIAL_ENV] = str(tdir / "spec.json")
         cmd = [*(s.launcher or [sys.executable]), str(self.entry), *s.args]
