@@ -32,7 +32,7 @@ from autotune.search.study import (
     StudyStore,
     open_storage,
 )
-from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, parse_launcher
+from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, parse_launcher, unreached
 
 WORK_NAME = ".work"
 LOCK_NAME = ".autotune.lock"
@@ -711,6 +711,13 @@ class Search:
                 config, role, timeout, on_start=lambda pid: self.store.started(trial, pid, timeout), attrs=attrs
             )
         result = result.with_(number=trial.number, host=self.machine.host, device_name=self.machine.device)
+        missed = unreached(result, self.space.changed(result.config)) if role == ROLE_SEARCH else []
+        if missed:  # it timed a program without these knobs: reported, never ranked
+            result = result.with_(
+                status=Outcome.UNREACHED,
+                error=f"{', '.join(missed)} never took effect in the run (the code it changes is on a path the "
+                "script did not take, or found nothing to act on): it measured the original program",
+            )
         if result.measured and result.throughput:
             result = result.with_(speedup=self._value(result))
         self.results.append(result)  # first, so that a baseline run counts in the noise it is judged with

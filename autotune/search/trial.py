@@ -47,6 +47,7 @@ class Outcome(str, Enum):
     CRASH = "crash"  # any other failure: the stderr tail says what
     SHORT = "short"  # the script ended before the warm-up and measured steps were done
     DIVERGED = "diverged"  # finished, but its losses are outside the gate's tolerance
+    UNREACHED = "unreached"  # finished, but a knob it changes never took effect: it measured another program
     INTERRUPTED = "interrupted"  # the search was stopped during this trial: not a measurement
 
     def __str__(self) -> str:
