@@ -163,8 +163,8 @@ def write_outputs(o: SearchOutcome) -> Written:
     doc = summary_doc(o, hashes[entry_rel.as_posix()], hashes)
     header = (
         f"# Chosen by `autotune search` for {o.project.entry.display}. The tuned script beside this file has these\n"
-        f"# knob values written in as plain code; to write them again: autotune bake {o.project.entry.display} "
-        f"--config {out / CONFIG_NAME}\n"
+        f"# knob values written in as plain code; to write them again: autotune bake "
+        f"{shlex.quote(o.project.entry.display)} --config {shlex.quote(str(out / CONFIG_NAME))}\n"
     )
     files = write_baked(baked, out, doc, header)
     plot, skipped = write_plot(o, out / PLOT_NAME)
