@@ -16,8 +16,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 CONFIG_ENV = "AUTOTUNE_CONFIG"
@@ -746,14 +746,15 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
                 shutil.copy2(target, path)
 
     def check(path: Any, contents: bool = False, final: bool = True) -> None:
-        if isinstance(path, int):
-            return  # an open file descriptor: opened (and checked) already
+        if isinstance(path, int) or getattr(inside, "busy", False):
+            return  # an open file descriptor (checked when opened), or own_copy's own work
         path = os.path.abspath(os.fsdecode(path))
         if under(path, mirror):
-            if final:
-                own_copy(path, contents)
-            else:
-                own_copy(os.path.join(path, "x"), False)  # the folders on the way only
+            inside.busy = True
+            try:
+                own_copy(path if final else os.path.join(path, "x"), contents and final)  # "x": the folders only
+            finally:
+                inside.busy = False
         elif under(path, real) and not under(path, own):
             raise PermissionError(f"autotune: a trial does not write into your files ({path}): use a path relative "
                                   "to the working directory, which a trial sees as a folder of its own")
@@ -762,27 +763,22 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
         if event == "import":
             _wrap_torch_save()
             return
-        if event not in _WRITES or getattr(inside, "busy", False):
+        if event not in _WRITES:
             return
-        inside.busy = True
-        try:
-            if event == "open":
-                path, mode, flags = args
-                if path is None or not ((mode and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITE_FLAGS)):
-                    return
+        if event == "open":
+            path, mode, flags = args
+            if path is not None and ((mode and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITE_FLAGS)):
                 check(path, contents=bool(mode and ("a" in mode or "+" in mode)) or bool(flags & os.O_APPEND))
-            elif event == "os.rename":
-                src, dst, src_fd, dst_fd = args
-                if src_fd in (None, -1):  # -1, None: no folder descriptor, the path is the cwd's or absolute
-                    check(src, final=False)
-                if dst_fd in (None, -1):
-                    check(dst)
-            elif event == "os.truncate":
-                check(args[0], contents=True)
-            elif args[-1] in (None, -1):  # mkdir, remove, rmdir: a link itself may go, what it points to stays
-                check(args[0], final=False)
-        finally:
-            inside.busy = False
+        elif event == "os.rename":
+            src, dst, src_fd, dst_fd = args
+            if src_fd in (None, -1):  # -1, None: no folder descriptor, the path is the cwd's or absolute
+                check(src, final=False)
+            if dst_fd in (None, -1):
+                check(dst)
+        elif event == "os.truncate":
+            check(args[0], contents=True)
+        elif args[-1] in (None, -1):  # mkdir, remove, rmdir: a link itself may go, what it points to stays
+            check(args[0], final=False)
 
     global _write_check
     _write_check = check

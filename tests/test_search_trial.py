@@ -31,6 +31,7 @@ for i in range(8):
     loss.backward()
     opt.step()
     torch.save(model.state_dict(), "ckpt.pt")
+    torch.save(model.state_dict(), "data/ckpt.pt")  # into a folder of the user's, first written by torch.save
     torch.save(model.state_dict(), os.path.join(out_dir, "ckpt.pt"))
     assert set(torch.load("ckpt.pt")) == {"weight", "bias"}  # its own checkpoint, not the user's
     with open("log.txt", "a") as f:
@@ -53,6 +54,7 @@ def _user_folder(root: Path) -> dict[Path, str]:
         root / "run" / "data" / "input.txt": "USER DATA",
         root / "run" / "data" / "array.npy": "USER ARRAY",
         root / "run" / "data" / "final.pt": "USER FINAL",
+        root / "run" / "data" / "ckpt.pt": "USER DATA CKPT",
         root / "beside.txt": "USER BESIDE",
     }
     for path, text in files.items():
