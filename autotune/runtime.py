@@ -712,7 +712,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 def _keep_user_files(mirror: str, real: str, own: str) -> None:
     """Under a trial, run in a mirror of the user's working directory made of links to its entries: a write
     through a link first turns that link into the trial's own file or folder, so the user's files are only ever
-    read; a write to the user's working directory by its absolute path is refused.
+    read; overwriting or deleting one of the user's files by its absolute path is refused (a new file may be made).
 
     An audit hook, so that every way Python opens or moves a file is covered (open, os.open, numpy, tarfile);
     torch.save writes from C++ by name, so it is wrapped once torch is imported.
@@ -745,7 +745,8 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
             if contents and os.path.isfile(target):
                 shutil.copy2(target, path)
 
-    def check(path: Any, contents: bool = False, final: bool = True) -> None:
+    def check(path: Any, contents: bool = False, final: bool = True, made: bool = False) -> None:
+        """``final``: ``path`` itself is about to be written; else made (``made``: a folder) or removed."""
         if isinstance(path, int) or getattr(inside, "busy", False):
             return  # an open file descriptor (checked when opened), or own_copy's own work
         path = os.path.abspath(os.fsdecode(path))
@@ -755,9 +756,9 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
                 own_copy(path if final else os.path.join(path, "x"), contents and final)  # "x": the folders only
             finally:
                 inside.busy = False
-        elif under(path, real) and not under(path, own):
-            raise PermissionError(f"autotune: a trial does not write into your files ({path}): use a path relative "
-                                  "to the working directory, which a trial sees as a folder of its own")
+        elif under(path, real) and not under(path, own) and os.path.lexists(path) and (final or not made):
+            raise PermissionError(f"autotune: a trial does not overwrite or delete your files ({path}): use a path "
+                                  "relative to the working directory, which a trial sees as a folder of its own")
 
     def hook(event: str, args: tuple) -> None:
         if event == "import":
@@ -778,7 +779,7 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
         elif event == "os.truncate":
             check(args[0], contents=True)
         elif args[-1] in (None, -1):  # mkdir, remove, rmdir: a link itself may go, what it points to stays
-            check(args[0], final=False)
+            check(args[0], final=False, made=event == "os.mkdir")
 
     global _write_check
     _write_check = check

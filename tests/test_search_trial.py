@@ -80,9 +80,9 @@ def test_a_trials_writes_land_in_its_own_folder_never_on_the_users_files(tmp_pat
     assert {p for p in (tmp_path / "user").rglob("*")} == before  # and nothing new among them ("out/new")
 
 
-def test_a_trial_may_not_write_the_users_files_by_their_absolute_path(tmp_path):
+def test_a_trial_may_not_overwrite_the_users_files_by_their_absolute_path(tmp_path):
     files = _user_folder(tmp_path / "user")
     body = SAVER.replace('"ckpt.pt"', repr(str(tmp_path / "user" / "run" / "ckpt.pt")), 1)
     result = _trial(tmp_path, body, tmp_path / "user" / "run")
-    assert result.status is Outcome.CRASH and "a trial does not write into your files" in result.stderr_tail
+    assert result.status is Outcome.CRASH and "a trial does not overwrite or delete your files" in result.stderr_tail
     assert {p: p.read_bytes().decode(errors="replace") for p in files} == files
