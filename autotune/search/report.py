@@ -388,33 +388,52 @@ def plot_data(o: SearchOutcome) -> PlotData:
 def _rows(o: SearchOutcome) -> tuple[tuple[PlotRow, ...], int, tuple[float, float]]:
     """One row per configuration the search tried, best first, and the speedup axis' limits."""
     defaults = o.space.baseline()
+
+    def changed(config: Mapping[str, Any]) -> set:
+        return {(k, v) for k, v in config.items() if defaults.get(k, v) != v}
+
     runs: dict[tuple, list[TrialResult]] = {}
     for r in o.results:
-        if r.role == ROLE_SEARCH and _key(r.config) != _key(defaults):
+        if r.role == ROLE_SEARCH and changed(r.config):
             runs.setdefault(_key(r.config), []).append(r)
-    confirmed = {}
+    speed = {key: [o.speedups[r.number] for r in rs if r.number in o.speedups] for key, rs in runs.items()}
+    # a candidate is confirmed as its canonical configuration (knobs that bake to the same code left out, such as
+    # persistent workers without workers): the search run it stands for is the one it is a part of, whose
+    # speedup it was picked with
+    confirmed: dict[tuple, Any] = {}
     for c in o.confirmations:
-        confirmed.setdefault(_key(c.config), c)
-    win = _key(o.winner.config) if o.winner else None
+        want = changed(c.config)
+        fits = [k for k in runs if want <= changed(dict(k)) and k not in confirmed]
+        if not fits:
+            confirmed[_key(c.config)] = c
+            continue
+        near = lambda k: (abs(max(speed[k], default=0.0) - (c.search_speedup or 0.0)), len(changed(dict(k))))  # noqa: E731
+        confirmed[min(fits, key=near)] = c
+    win = o.winner
     rows = []
-    for key, rs in runs.items():
+    for key in [*runs, *(k for k in confirmed if k not in runs)]:
+        rs, c = runs.get(key, []), confirmed.get(key)
         ok = [r for r in rs if r.status is Outcome.OK]
-        status = "ok" if ok else str(next((r.status for r in rs if r.status is Outcome.DIVERGED), rs[-1].status))
-        c = confirmed.get(key)
+        status = "ok" if ok or not rs else str(next((r.status for r in rs if r.status is Outcome.DIVERGED), rs[-1].status))
+        search = tuple(o.speedups[r.number] for r in (ok or rs) if r.number in o.speedups)
+        if not rs and c is not None and c.search_speedup:
+            search = (c.search_speedup,)
         rows.append(
             PlotRow(
-                changed_text(dict(key), defaults),
+                changed_text(c.config if c else dict(key), defaults),
                 status,
-                tuple(o.speedups[r.number] for r in (ok or rs) if r.number in o.speedups),
+                search,
                 tuple(c.ratios) if c else (),
                 bool(c and c.accepted),
-                key == win,
+                c is not None and win is not None and _key(c.config) == _key(win.config),
             )
         )
     # the winner first, then those that trained the same by speedup, then those whose losses differ, then failures
     rank = {"ok": 0, "diverged": 1}
     rows.sort(key=lambda row: (not row.winner, rank.get(row.status, 2), -(row.value or 0.0)))
-    shown, hidden = rows[:MAX_ROWS], max(0, len(rows) - MAX_ROWS)
+    # a long list leaves out its slowest configurations that trained the same; those that diverged or failed stay
+    slowest = [row for row in reversed(rows) if row.status == "ok" and not row.winner][: max(0, len(rows) - MAX_ROWS)]
+    shown, hidden = [row for row in rows if row not in slowest], len(slowest)
     # the axis spans the speedups of the configurations that trained the same, 1.0 and the winner's pairs; runs
     # beyond Tukey's fences (in log scale) or that diverged are drawn at its edge with their value, so that one
     # wild run on a busy machine does not squash the rest
