@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -146,7 +148,8 @@ def cmd_patch(args: argparse.Namespace, console: Console) -> int:
     written = write_outputs(result, out, args.path)
     rel = result.files[0].rel
     # an entry below the project's root imports the root's packages: run as a module from there
-    how = f"cd {out} && python -m {'.'.join(rel.with_suffix('').parts)}" if rel.parent != Path() else f"python {out / rel}"
+    module = ".".join(rel.with_suffix("").parts)
+    how = f"cd {shlex.quote(str(out))} && python -m {module}" if rel.parent != Path() else f"python {shlex.quote(str(out / rel))}"
     console.print(
         f"wrote {len(written)} files to {out}/ ({len(result.knobs)} knobs at their defaults in autotune.yaml, "
         f"diff in {DIFF_NAME}); run it with: {how}"
@@ -218,20 +221,44 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="autotune", description="Find the fastest equivalent configuration of a PyTorch training script.")
-    parser.add_argument("--version", action="version", version=f"autotune {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+PATH_HELP = "the training script (.py); the local modules it imports are read too"
 
-    scan = sub.add_parser("scan", help="list what could be faster, where, and why")
-    scan.add_argument("path")
+
+def _sub(sub, name: str, help: str, examples: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with examples of its use."""
+    return sub.add_parser(
+        name, help=help, description=help[0].upper() + help[1:] + ".", epilog="examples:\n" + examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter, **kw,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="autotune",
+        description="Find the fastest equivalent configuration of a PyTorch training script.",
+        epilog="example:\n  autotune search train.py -- --batch-size 64\n\n"
+        "`autotune COMMAND --help` describes each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"autotune {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+
+    scan = _sub(
+        sub, "scan", "list what could be faster, where, and why",
+        "  autotune scan train.py\n  autotune scan train.py --json --only autocast,sdpa\n",
+    )
+    scan.add_argument("path", help=PATH_HELP)
     scan.add_argument("--json", action="store_true", help="print the sites as JSON (schema in README)")
     scan.add_argument("--only", help="comma-separated transforms to run")
     scan.add_argument("--skip", help="comma-separated transforms to leave out")
     scan.set_defaults(func=cmd_scan)
 
-    patch = sub.add_parser("patch", help="inject every applicable optimization behind a knob")
-    patch.add_argument("path")
+    patch = _sub(
+        sub, "patch", "inject every applicable optimization behind a knob",
+        "  autotune patch train.py --diff            # show the change, write nothing\n"
+        "  autotune patch train.py --out patched/    # the patched script and its autotune.yaml\n",
+    )
+    patch.add_argument("path", help=PATH_HELP)
     patch.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
     patch.add_argument("--only", help="comma-separated transforms to apply")
     patch.add_argument("--skip", help="comma-separated transforms to leave out")
@@ -239,18 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--in-place", action="store_true", help="edit the script's own files, keeping .orig backups")
     patch.set_defaults(func=cmd_patch)
 
-    bake = sub.add_parser("bake", help="write chosen knob values into the script as plain code")
-    bake.add_argument("path")
+    bake = _sub(
+        sub, "bake", "write chosen knob values into the script as plain code",
+        "  autotune bake train.py --config autotune-out/autotune.yaml --out tuned/\n",
+    )
+    bake.add_argument("path", help=PATH_HELP)
     bake.add_argument("--config", required=True, help="YAML with knobs: {name: value} (e.g. a search's autotune.yaml)")
     bake.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
     bake.set_defaults(func=cmd_bake)
 
-    search = sub.add_parser(
-        "search",
-        help="try knob configurations, keep the fastest that trains the same",
+    search = _sub(
+        sub, "search", "try knob configurations, keep the fastest that trains the same",
+        "  autotune search train.py -- --batch-size 64 --epochs 2   # the script's own arguments after --\n"
+        "  autotune search train.py --time-budget 600 --out tuned/\n",
         usage="autotune search PATH [options] -- ARGS FOR THE SCRIPT",
     )
-    search.add_argument("path")
+    search.add_argument("path", help=PATH_HELP)
     search.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
     search.add_argument(
         "--trials", type=int, metavar="N",
@@ -282,8 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.set_defaults(func=cmd_search, script_args=[])
 
-    report = sub.add_parser(
-        "report", help="write a study's outputs (tuned script, autotune.yaml, report) without running trials"
+    report = _sub(
+        sub, "report", "write a study's outputs (tuned script, autotune.yaml, report) without running trials",
+        "  autotune report --storage autotune-out/study.db --out report/\n"
+        "  autotune report --storage postgresql://user@db-host/autotune --study-name cnn-bs64\n",
     )
     report.add_argument("--storage", required=True, metavar="URL", help="the study's storage: database URL or file")
     report.add_argument("--study-name", metavar="NAME", help="the study (default: the storage's only study)")
@@ -298,8 +331,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(highlight=False)
     err = Console(stderr=True, highlight=False)
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args, console) or 0)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:  # bare `autotune`: what it can do, as argparse does for a missing argument
+            parser.print_help(sys.stderr)
+            return 2
+        code = int(args.func(args, console) or 0)
+        sys.stdout.flush()  # here, where a closed pipe can still be answered quietly
+        return code
+    except BrokenPipeError:  # `autotune scan --json x.py | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 141  # 128 + SIGPIPE, as a tool the pipe's signal ended
     except AutotuneError as exc:
         err.print(f"autotune: error: {exc}", markup=False, soft_wrap=True)
         return exc.exit_code

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import difflib
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,11 @@ class PatchResult:
         return any(f.changed for f in self.files)
 
     def diff(self, old_prefix: str = "a/", new_prefix: str = "b/") -> str:
+        """A unified diff of every changed file; paths from the root of the git repository holding the script,
+        if one does (so that ``git apply`` takes it there), else from the script's folder."""
+        root = self.project.root.resolve()
+        repo = next((d for d in (root, *root.parents) if (d / ".git").exists()), root)  # a worktree's .git is a file
+        under = root.relative_to(repo).as_posix() + "/" if repo != root else ""
         chunks = []
         for f in self.files:
             if f.changed:
@@ -63,8 +70,8 @@ class PatchResult:
                     difflib.unified_diff(
                         source_lines(f.facts.source, keepends=True),
                         source_lines(f.new_text, keepends=True),
-                        f"{old_prefix}{f.rel.as_posix()}",
-                        f"{new_prefix}{f.rel.as_posix()}",
+                        f"{old_prefix}{under}{f.rel.as_posix()}",
+                        f"{new_prefix}{under}{f.rel.as_posix()}",
                     )
                 )
         return "".join(c if c.endswith("\n") else c + "\n\\ No newline at end of file\n" for c in chunks)
@@ -120,7 +127,13 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
             _step_hooks(project, facts, edits)
     files = []
     for facts, edits in per_file:
-        new_text, check = _code(facts, _apply(facts, edits)) if edits else (facts.source, facts.source)
+        new_text, check = facts.source, facts.source
+        if edits:
+            module = _apply(facts, edits)
+            new_text, check = _code(facts, module)
+            stale = _stale_imports(facts, new_text) if not mode.gated and new_text != facts.source else set()
+            if stale:  # baked code is read and kept by people: an import only the replaced code used goes too
+                new_text, check = _code(facts, _drop_imports(module, stale))
         if new_text != facts.source:
             try:
                 compile(check, facts.display, "exec")
@@ -256,10 +269,107 @@ def _is_import_line(node: cst.BaseStatement) -> bool:
     return isinstance(node, cst.SimpleStatementLine) and all(isinstance(s, (cst.Import, cst.ImportFrom)) for s in node.body)
 
 
+def _add_import(body: list[cst.BaseStatement], head: int, module: str) -> bool:
+    """Insert ``import module`` among the module's leading imports: a standard-library module in name order among
+    the standard-library ones, any other after the last; False when the module starts with no import."""
+    end = head
+    while end < len(body) and _is_import_line(body[end]):
+        end += 1
+    if end == head:
+        return False
+    new = stmt(f"import {module}\n")
+    if module.split(".")[0] in sys.stdlib_module_names:
+        std = [i for i in range(head, end) if all(_module(s).split(".")[0] in sys.stdlib_module_names for s in body[i].body)]
+        later = [i for i in std if _module(body[i].body[0]) > module]
+        if later:  # before it, in its place: the blank lines and comments above it now lead the new import
+            at = later[0]
+            body[at : at + 1] = [new.with_changes(leading_lines=body[at].leading_lines), body[at].with_changes(leading_lines=[])]
+            return True
+        if std:
+            body.insert(std[-1] + 1, new)
+            return True
+    body.insert(end, new)
+    return True
+
+
+def _module(node: cst.Import | cst.ImportFrom) -> str:
+    """The dotted module an import statement reads (``""`` for a relative import)."""
+    if isinstance(node, cst.Import):
+        return cst.Module([]).code_for_node(node.names[0].name)
+    if node.relative or node.module is None:
+        return ""
+    return cst.Module([]).code_for_node(node.module)
+
+
+def _stale_imports(facts: ModuleFacts, new_text: str) -> set[str]:
+    """Names that top-level standard-library imports bind, that the original code read and ``new_text`` no longer
+    does (``math`` once SDPA replaced the hand-written attention)."""
+    def read(tree: ast.AST) -> set[str]:
+        return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+    bound = set()
+    for node in facts.tree.body:
+        if isinstance(node, ast.Import):
+            bound |= {(a.asname or a.name.split(".")[0], a.name.split(".")[0]) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            bound |= {(a.asname or a.name, node.module.split(".")[0]) for a in node.names if a.name != "*"}
+    before = read(facts.tree)
+    if "__all__" in before:  # names may be exported by a string
+        return set()
+    candidates = {name for name, root in bound if root in sys.stdlib_module_names and name in before}
+    return candidates - read(ast.parse(new_text)) if candidates else set()
+
+
+def _drop_imports(module: cst.Module, names: set[str]) -> cst.Module:
+    """``module`` without the top-level standard-library import aliases that bind ``names``; a line left empty
+    goes, its leading comments passed on to the next statement."""
+    def binds(alias: cst.ImportAlias, plain: bool) -> str:
+        if alias.asname is not None:
+            return cst.Module([]).code_for_node(alias.asname.name)
+        dotted = cst.Module([]).code_for_node(alias.name)
+        return dotted.split(".")[0] if plain else dotted
+
+    body: list[cst.BaseStatement] = []
+    carried: list[cst.EmptyLine] | None = None
+    for line in module.body:
+        if _is_import_line(line):
+            smalls = []
+            for small in line.body:
+                plain = isinstance(small, cst.Import)
+                if isinstance(small.names, cst.ImportStar) or _module(small).split(".")[0] not in sys.stdlib_module_names:
+                    smalls.append(small)
+                    continue
+                keep = [a for a in small.names if binds(a, plain) not in names]
+                if keep:
+                    if len(keep) < len(small.names):
+                        keep[-1] = keep[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                        small = small.with_changes(names=keep)
+                    smalls.append(small)
+            if not smalls:
+                carried = [*(carried or []), *line.leading_lines]
+                continue
+            if len(smalls) < len(line.body):
+                smalls[-1] = smalls[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
+                line = line.with_changes(body=smalls)
+            elif smalls != list(line.body):
+                line = line.with_changes(body=smalls)
+        if carried is not None:
+            comments = any(x.comment is not None for x in carried)
+            lead = [*carried, *line.leading_lines] if comments else list(line.leading_lines) or carried  # no pile-up
+            while not body and lead and lead[0].comment is None:
+                lead = lead[1:]  # now the first statement: no blank line above it
+            line = line.with_changes(leading_lines=lead)
+            carried = None
+        body.append(line)
+    return module.with_changes(body=body)
+
+
 def _apply(facts: ModuleFacts, edits: Edits) -> cst.Module:
     module = facts.module.visit(_Applier(facts, edits))
     body = list(module.body)
     head = _header_end(body)
+    wanted = [name for name in edits.imports if facts.imports.get(name) != name]
+    placed = [name for name in wanted if _add_import(body, head, name)]  # among the script's imports, not above
     if edits.post_imports:
         last_import = None
         for i, s in enumerate(body):
@@ -272,9 +382,7 @@ def _apply(facts: ModuleFacts, edits: Edits) -> cst.Module:
     top: list[cst.BaseStatement] = []
     if edits.uses_runtime and not facts.has_runtime_import():
         top.append(stmt(f"import {RUNTIME_MODULE} as {RUNTIME_ALIAS}\n"))
-    for name in edits.imports:
-        if facts.imports.get(name) != name:
-            top.append(stmt(f"import {name}\n"))
+    top.extend(stmt(f"import {name}\n") for name in wanted if name not in placed)  # a module without imports
     top.extend(edits.top)
     if top:
         if head < len(body):

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -772,11 +773,118 @@ class _Trial:
         os.replace(tmp, self.result_path)
 
 
+_WRITES = frozenset({"open", "os.mkdir", "os.remove", "os.rmdir", "os.rename", "os.truncate"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+def _keep_user_files(mirror: str, real: str, own: str) -> None:
+    """Under a trial, run in a mirror of the user's working directory made of links to its entries: a write
+    through a link first turns that link into the trial's own file or folder, so the user's files are only ever
+    read; overwriting or deleting one of the user's files by its absolute path is refused (a new file may be made).
+
+    An audit hook, so that every way Python opens or moves a file is covered (open, os.open, numpy, tarfile);
+    torch.save writes from C++ by name, so it is wrapped once torch is imported.
+    """
+    import shutil
+    import threading
+
+    inside = threading.local()
+    sep = os.sep
+
+    def under(path: str, folder: str) -> bool:
+        return path == folder or path.startswith(folder + sep)
+
+    def own_copy(path: str, contents: bool) -> None:
+        """Replace each link on the way to ``path`` (in the mirror) by a folder of links; ``path`` itself, if a
+        link, by nothing (it is about to be written anew) or, with ``contents``, by a copy of what it points to."""
+        parts = os.path.relpath(path, mirror).split(sep)
+        here = mirror
+        for part in parts[:-1]:
+            here = os.path.join(here, part)
+            if os.path.islink(here) and os.path.isdir(here):
+                target = os.path.realpath(here)
+                os.unlink(here)
+                os.mkdir(here)
+                for name in os.listdir(target):
+                    os.symlink(os.path.join(target, name), os.path.join(here, name))
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            os.unlink(path)
+            if contents and os.path.isfile(target):
+                shutil.copy2(target, path)
+
+    def check(path: Any, contents: bool = False, final: bool = True, made: bool = False) -> None:
+        """``final``: ``path`` itself is about to be written; else made (``made``: a folder) or removed."""
+        if isinstance(path, int) or getattr(inside, "busy", False):
+            return  # an open file descriptor (checked when opened), or own_copy's own work
+        path = os.path.abspath(os.fsdecode(path))
+        if under(path, mirror):
+            inside.busy = True
+            try:
+                own_copy(path if final else os.path.join(path, "x"), contents and final)  # "x": the folders only
+            finally:
+                inside.busy = False
+        elif under(path, real) and not under(path, own) and os.path.lexists(path) and (final or not made):
+            raise PermissionError(f"autotune: a trial does not overwrite or delete your files ({path}): use a path "
+                                  "relative to the working directory, which a trial sees as a folder of its own")
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "import":
+            _wrap_torch_save()
+            return
+        if event not in _WRITES:
+            return
+        if event == "open":
+            path, mode, flags = args
+            if path is not None and ((mode and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITE_FLAGS)):
+                check(path, contents=bool(mode and ("a" in mode or "+" in mode)) or bool(flags & os.O_APPEND))
+        elif event == "os.rename":
+            src, dst, src_fd, dst_fd = args
+            if src_fd in (None, -1):  # -1, None: no folder descriptor, the path is the cwd's or absolute
+                check(src, final=False)
+            if dst_fd in (None, -1):
+                check(dst)
+        elif event == "os.truncate":
+            check(args[0], contents=True)
+        elif args[-1] in (None, -1):  # mkdir, remove, rmdir: a link itself may go, what it points to stays
+            check(args[0], final=False, made=event == "os.mkdir")
+
+    global _write_check
+    _write_check = check
+    sys.addaudithook(hook)
+
+
+_write_check: Callable[[Any], None] | None = None  # a trial's check of a path it is about to write
+_save_checked = False
+
+
+def _wrap_torch_save() -> None:
+    """torch.save by file name writes from C++, unseen by the audit hook: check its path first."""
+    global _save_checked
+    torch = sys.modules.get("torch")
+    save = getattr(torch, "save", None)
+    if _save_checked or save is None or _write_check is None:
+        return
+    _save_checked = True
+    check = _write_check
+    import functools
+
+    @functools.wraps(save)
+    def checked_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, bytes, os.PathLike)):
+            check(f)
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = checked_save
+
+
 def _start_trial() -> _Trial | None:
     spec_path = os.environ.get(TRIAL_ENV)
     if not spec_path:
         return None
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    if spec.get("mirror"):
+        _keep_user_files(spec["mirror"], spec["cwd"], spec["own"])
     trial = _Trial(spec)
     previous_hook = sys.excepthook
 
@@ -870,4 +978,6 @@ _trial = _start_trial()
 def step(*losses: Any, batch: Any = None) -> None:
     """Called by patched scripts after each optimizer step; does nothing outside a trial."""
     if _trial is not None:
+        if not _save_checked:
+            _wrap_torch_save()  # torch was imported without an import after it (the audit hook's other chance)
         _trial.step(losses, batch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -65,7 +67,8 @@ def test_bake_cli_writes_the_tuned_files_diff_and_config(tmp_path, capsys):
     assert "baked gc.freeze=True" in said
     tuned = (out / "tiny.py").read_text()
     assert "gc.freeze()" in tuned and "autotune" not in tuned
-    assert (out / "tuned.diff").read_text().startswith("--- a/tiny.py\n+++ b/tiny.py\n")
+    rel = TINY.relative_to(REPO).as_posix() if (REPO / ".git").exists() else TINY.name  # from the repository's root
+    assert (out / "tuned.diff").read_text().startswith(f"--- a/{rel}\n+++ b/{rel}\n")
     assert "+    gc.freeze()" in (out / "tuned.diff").read_text()
     written = yaml.safe_load((out / "autotune.yaml").read_text())
     assert written["knobs"] == {"gc.freeze": True, "fused_optimizer.impl": "default"}
@@ -143,3 +146,80 @@ def test_baked_script_trains_exactly_like_the_patched_one(script, args, tmp_path
     plain = run_probe(tmp_path / "baked" / entry, args, steps=6, out=tmp_path / "b.json", env=PROBE_ENV, cwd=tmp_path, timeout=300)
     assert len(gated) == 6
     assert plain == gated, config
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_tuned_diff_applies_with_git_apply_from_the_repository_root(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "experiments" / "mlp").mkdir(parents=True)
+    script = repo / "experiments" / "mlp" / "train.py"
+    script.write_text(TINY.read_text())
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True, timeout=60)
+    config = tmp_path / "chosen.yaml"
+    config.write_text("knobs:\n  gc.freeze: true\n")
+    out = tmp_path / "out"
+    assert main(["bake", str(script), "--config", str(config), "--out", str(out)]) == 0
+    assert (out / "tuned.diff").read_text().startswith("--- a/experiments/mlp/train.py\n")
+    done = subprocess.run(["git", "apply", str(out / "tuned.diff")], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert script.read_text() == (out / "train.py").read_text()
+
+
+SDPA_CASE = REPO / "fixtures" / "transforms" / "sdpa" / "gpt_causal.in.py"
+
+
+def _baked_sdpa(tmp_path: Path, text: str) -> str:
+    script = tmp_path / "attn.py"
+    script.write_text(text)
+    (baked,) = bake(load_project(script), {"sdpa.attention": "sdpa"}, "cpu").files
+    compile(baked.new_text, "attn.py", "exec")
+    return baked.new_text
+
+
+def test_bake_drops_an_import_only_the_replaced_code_used(tmp_path):
+    # the hand-written attention was math's only user: SDPA leaves `import math` behind otherwise
+    baked = _baked_sdpa(tmp_path, SDPA_CASE.read_text())
+    assert "import math" not in baked and "scaled_dot_product_attention" in baked
+    assert baked.startswith('''"""minGPT-style causal self-attention: a registered lower-triangular buffer and attention dropout."""
+
+import torch
+''')
+
+
+@pytest.mark.parametrize(
+    "imports, kept",
+    [
+        ("import math\n", "import math\n"),  # still read by the line the test adds below
+        ("import math, os  # math: the attention scale\n", "import math, os  # math: the attention scale\n"),
+        ("import os, math\n", "import os, math\n"),
+    ],
+    ids=["used-elsewhere", "first-of-two", "second-of-two"],
+)
+def test_bake_keeps_an_import_something_else_reads(tmp_path, imports, kept):
+    text = SDPA_CASE.read_text().replace("import math\n", imports, 1) + "print(math.pi, os.sep if False else '')\n"
+    text = text if "os" in imports else text.replace(", os.sep if False else ''", "")
+    assert kept in _baked_sdpa(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    "imports, left",
+    [
+        ("import os, math\n", "import os\n"),
+        ("import math, os  # paths\n", "import os  # paths\n"),
+        ("from math import sqrt, pi\n", "from math import pi\n"),
+        ("import os; import math\n", "import os\n"),
+    ],
+    ids=["second-of-two", "first-of-two", "from-import", "semicolon"],
+)
+def test_bake_drops_just_the_unused_name_of_a_shared_import(tmp_path, imports, left):
+    text = SDPA_CASE.read_text().replace("import math\n", imports, 1).replace("math.sqrt", "sqrt" if "sqrt" in imports else "math.sqrt")
+    text += "print(os.sep, pi)\n" if "pi" in imports else "print(os.sep)\n"
+    baked = _baked_sdpa(tmp_path, text)
+    head = baked.split("\n\n")[1]  # the docstring, then the block of standard-library imports
+    assert head + "\n" == left
+
+
+def test_baked_imports_go_among_the_scripts_own():
+    (baked,) = bake(load_project(TINY), {"gc.freeze": True}, "cpu").files
+    docstring, imports = baked.new_text.split("\n\n")[:2]
+    assert docstring.startswith('"""A tiny regression MLP') and imports == "import argparse\nimport gc"

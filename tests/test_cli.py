@@ -205,3 +205,38 @@ def test_columns_and_diff_count_lines_as_python_does(tmp_path, capsys):
     proc = subprocess.run(["git", "apply", "-p1", str(out / "patch.diff")], cwd=work, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert (work / "train.py").read_text(encoding="utf-8") == (out / "train.py").read_text(encoding="utf-8")
+
+
+def test_bare_autotune_prints_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: autotune")
+    assert all(c in err for c in ("scan", "patch", "bake", "search", "report"))
+
+
+@pytest.mark.parametrize("command", ["scan", "patch", "bake", "search", "report"])
+def test_each_subcommand_help_has_an_example_and_says_what_path_is(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert f"examples:\n  autotune {command} " in out
+    if command != "report":  # report takes a study, not a script
+        assert "path " in out and "the training script" in out
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    # `autotune scan --json x.py | head`: the reader is gone before autotune writes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune", "scan", "--json", str(CNN)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert err == b"" and proc.returncode == 141
+
+
+def test_printed_hints_quote_paths(in_tmp, capsys):
+    (in_tmp / "my train.py").write_text(CNN.read_text())
+    assert main(["patch", "my train.py", "--out", "out dir"]) == 0
+    assert "run it with: python 'out dir/my train.py'" in capsys.readouterr().out

@@ -375,7 +375,7 @@ def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path)
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
     plot, why = write_plot(None, tmp_path / "throughput.png")
-    assert plot is None and "pip install 'autotune[plot]'" in why
+    assert plot is None and "pip install matplotlib" in why
     assert not (tmp_path / "throughput.png").exists()
 
 
@@ -390,10 +390,13 @@ def test_the_plot_compares_each_run_with_its_own_machines_baseline():
     fast_box = [run(0, "fast", 0.01, "baseline"), run(2, "fast", 0.005)]  # 100 steps/s baseline, a 2x trial
     slow_box = [run(1, "slow", 0.1, "baseline"), run(3, "slow", 0.08), run(4, "slow", 0.1, status=Outcome.DIVERGED)]
     results = (*fast_box, *slow_box)
-    one = SimpleNamespace(results=tuple(fast_box), machines=(fast_box[0].machine,), machine=fast_box[0].machine)
+    study = {"space": SimpleNamespace(baseline=dict), "confirmations": (), "winner": None, "speedups": {}}
+    one = SimpleNamespace(results=tuple(fast_box), machines=(fast_box[0].machine,), machine=fast_box[0].machine, **study)
     data = plot_data(one)
     assert data.points["ok"] == [(2, pytest.approx(200.0))] and data.level == pytest.approx(100.0)  # steps/s
-    two = SimpleNamespace(results=results, machines=tuple(dict.fromkeys(r.machine for r in results)), machine=one.machine)
+    two = SimpleNamespace(
+        results=results, machines=tuple(dict.fromkeys(r.machine for r in results)), machine=one.machine, **study
+    )
     data = plot_data(two)
     assert data.level == 1.0 and "same machine" in data.ylabel
     assert data.points["baseline"] == [(0, pytest.approx(1.0)), (1, pytest.approx(1.0))]
@@ -414,3 +417,77 @@ def test_a_trial_of_an_entry_in_scripts_imports_the_package_at_the_project_root(
     assert result.status is Outcome.OK, result.stderr_tail
     assert result.steps_done == 3 and all(len(step) == 1 for step in result.losses)
     assert (runner.entry.parent / "autotune.yaml").is_file()  # beside the entry, where the runtime looks
+
+
+def _plotted_search(winner: bool = True):
+    """A search as the report sees it: baselines at 10 steps/s, four configurations, one confirmed or not."""
+    from types import SimpleNamespace
+
+    from autotune.search.search import Confirmation
+
+    defaults = {"gc.freeze": False, "autocast.dtype": "default", "fused_optimizer.impl": "default",
+                "dataloader.persistent_workers": False}
+
+    def run(n, role, steps_per_s, status=Outcome.OK, **changed):
+        return TrialResult(config={**defaults, **changed}, role=role, status=status, step_times=(1 / steps_per_s,) if steps_per_s else (),
+                           number=n, host="box", device_name="cpu")
+
+    bf16 = {"autocast.dtype": "bf16"}
+    results = (
+        run(0, "baseline", 10.0), run(1, "baseline", 10.0),
+        # persistent workers without workers bake to the same code: bf16 alone is confirmed, standing for this run
+        run(2, "search", 15.0, **bf16, **{"dataloader.persistent_workers": True}),
+        run(3, "search", 0.3, **{"fused_optimizer.impl": "fused"}),  # compiling-style crawl: 0.03x
+        run(4, "search", 400.0, status=Outcome.DIVERGED, **{"gc.freeze": True}),  # 40x, but wrong losses
+        run(5, "search", 0.0, status=Outcome.OOM, **{"gc.freeze": True, **bf16}),
+        run(6, "search", 11.0, **{"fused_optimizer.impl": "foreach"}),
+    )
+    pairs = Confirmation({**defaults, **bf16}, (1.4, 1.5, 1.45, 0.98, 1.6), winner, "faster in 4 of 5 A/B pairs",
+                         search_speedup=1.5)
+    return SimpleNamespace(
+        results=results, machines=("box",), machine=results[0].machine, device="cpu",
+        space=SimpleNamespace(baseline=lambda: dict(defaults)), project=SimpleNamespace(entry=SimpleNamespace(display="train.py")),
+        confirmations=(pairs,), winner=pairs if winner else None,
+        speedups={2: 1.5, 3: 0.03, 4: 40.0, 6: 1.1},
+    )
+
+
+def test_the_plot_shows_each_configurations_speedup_with_its_pairs_and_the_winner():
+    from autotune.search.report import plot_data
+
+    rows = plot_data(_plotted_search()).rows
+    # the winner, the others that trained the same by speedup, then the one whose losses differ, then failures
+    assert [r.label for r in rows] == [
+        "autocast.dtype=bf16", "fused_optimizer.impl=foreach", "fused_optimizer.impl=fused", "gc.freeze=true",
+        "autocast.dtype=bf16, gc.freeze=true",
+    ]
+    first = rows[0]
+    assert first.label == "autocast.dtype=bf16" and first.winner and first.accepted
+    assert first.search == (1.5,) and first.pairs == (1.4, 1.5, 1.45, 0.98, 1.6) and first.value == 1.45
+    by_label = {r.label: r for r in rows}
+    assert by_label["gc.freeze=true"].status == "diverged" and by_label["gc.freeze=true"].search == (40.0,)
+    assert by_label["autocast.dtype=bf16, gc.freeze=true"].status == "oom" and rows[-1].value is None
+    assert not any(r.winner for r in plot_data(_plotted_search(winner=False)).rows)
+
+
+def test_the_plots_axis_is_not_squashed_by_a_diverged_or_crawling_run():
+    from autotune.search.report import plot_data
+
+    lo, hi = plot_data(_plotted_search()).limits
+    assert lo < 0.98 and 1.6 < hi  # 1x and every pair of the winner
+    assert hi < 40.0 / 4 and lo > 0.03 * 4  # the 40x run whose losses differ and the 0.03x crawl sit at the edges
+
+
+def test_the_plot_is_written(tmp_path):
+    from autotune.search.report import write_plot
+
+    for winner in (True, False):
+        path, why = write_plot(_plotted_search(winner), tmp_path / f"plot{winner}.png")
+        assert why is None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matplotlib_is_a_dependency_so_the_first_search_draws_its_plot():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("matplotlib") for d in project["dependencies"])
+    assert "plot" in project["optional-dependencies"]  # `pip install -e ".[plot]"` of older instructions still works

@@ -290,3 +290,13 @@ def test_a_scaler_without_an_autocast_region_is_not_put_under_the_knob():
     assert loss.status is Status.NOT_APPLICABLE
     assert not _result("scaler_no_region").knobs
     assert _text("scaler_no_region") == _case("scaler_no_region").read_text()
+
+
+@pytest.mark.parametrize("name", ["basic", "train_step_fn"])  # the batch copied to the device; the optimizer's
+def test_baked_autocast_follows_the_scripts_device_not_the_searchs(tmp_path, name):
+    # a search on a GPU once baked device_type="cuda": run where the script computes on the CPU, that autocast
+    # did nothing (and a CPU search's "cpu" does nothing on a GPU)
+    text = _result(name, Mode(values={"autocast.dtype": "bf16"}, device="cuda")).files[0].new_text
+    assert 'device_type="cuda"' not in text
+    patched = _losses(tmp_path, "patched", _text(name), STEPS[name], dtype="bf16")  # its trial: autocast on CPU
+    assert _losses(tmp_path, "baked", text, STEPS[name]) == patched

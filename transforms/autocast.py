@@ -9,6 +9,8 @@ import libcst as cst
 from autotune.analysis import ModuleFacts, Project, TrainingLoop
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, fresh_name, is_docstring, add_args, expr, is_literal, keyword, kwarg, stmt
+from autotune.transforms._model import assigned_names
+from autotune.transforms._sites import h2d_copy
 
 AUTOCAST = {
     "torch.autocast",
@@ -39,6 +41,8 @@ class _Plan:
 
     reports: list[tuple[cst.CSTNode, Status, str]] = field(default_factory=list)
     wraps: list[list[cst.BaseStatement]] = field(default_factory=list)
+    # bake: the device_type of each wrap's autocast, as code read at run time (None: whichever device torch has)
+    devices: dict[cst.BaseStatement, str | None] = field(default_factory=dict)
     autocasts: list[cst.Call] = field(default_factory=list)  # the script's own, to make their dtype a knob
     scalers: list[cst.Call] = field(default_factory=list)  # the script's own GradScalers
     scale: list[cst.Call] = field(default_factory=list)  # backward() calls whose loss goes through a scaler
@@ -96,7 +100,9 @@ class Autocast(Transform):
             if self.mode.gated:
                 head = f"{edits.runtime('autocast')}()"
             else:
-                head = f'{torch}.autocast(device_type="{self.mode.device}", dtype={torch}.{DTYPE_CODE[self._dtype()]})'
+                # the script's own device, not the search's: a CPU search's "cpu" autocast does nothing on a GPU
+                device = plan.devices.get(group[0]) or f'"cuda" if {torch}.cuda.is_available() else "cpu"'
+                head = f"{torch}.autocast(device_type={device}, dtype={torch}.{DTYPE_CODE[self._dtype()]})"
             edits.wrap(group, lambda body, head=head: _with(head, body))
         if not self.mode.gated and self._dtype() != "fp16":
             return  # a GradScaler only serves fp16
@@ -261,6 +267,8 @@ class Autocast(Transform):
                  f"{facts.code(call.func)}() run under autocast")
             )
             plan.wraps.append(group)
+            if self.baking():
+                plan.devices[group[0]] = _device_type(facts, scope, call, group)
         if has_scaler or not covered:
             for plan in work.values():
                 plan.scale.clear()
@@ -280,6 +288,7 @@ class Autocast(Transform):
             target = plans[facts]
             target.reports.extend(plan.reports)
             target.wraps.extend(plan.wraps)
+            target.devices.update(plan.devices)
             target.scale.extend(plan.scale)
             target.steps.extend(plan.steps)
             target.updates.extend(plan.updates)
@@ -458,6 +467,55 @@ def _is_separator(project: Project, facts: ModuleFacts, s: cst.BaseStatement) ->
         if facts.qualname(call.func) in CLIP or facts.is_runtime_call(call, "unscale_"):
             return True
     return _is_copy_statement(facts, s)
+
+
+def _device_type(facts: ModuleFacts, scope, backward: cst.Call, group: list[cst.BaseStatement]) -> str | None:
+    """Code that reads, where ``group`` starts, the type of the device the step computes on: that of the tensor the
+    loop last copied to the device, else that of the stepped optimizer's first parameter; None if neither is sure."""
+    body = list(facts.block_of(group[0]).body)
+    start = body.index(group[0])
+    for i in range(start - 1, -1, -1):
+        name = _copied_name(facts, body[i])
+        if name is not None:
+            if not any(name in assigned_names(facts, s) for s in body[i + 1 : start]):
+                return f"{name}.device.type"
+            break
+    order = facts._enter
+    home = facts.function_of(backward)
+    for step in sorted(scope.steps, key=order.__getitem__):
+        recv = step.func.value  # type: ignore[attr-defined]
+        if order[step] > order[backward] and facts.function_of(step) is home:
+            if any(isinstance(n, cst.Call) for n in _walk(recv)):
+                return None  # evaluating it again could have side effects
+            return f'{facts.code(recv)}.param_groups[0]["params"][0].device.type'
+    return None
+
+
+def _copied_name(facts: ModuleFacts, s: cst.BaseStatement) -> str | None:
+    """The first name ``s`` binds to a tensor copied to a device: ``x`` in ``x, y = x.to(device), y.to(device)``."""
+    if not isinstance(s, cst.SimpleStatementLine):
+        return None
+    for small in s.body:
+        if not isinstance(small, cst.Assign) or len(small.targets) != 1:
+            continue
+        target, value = small.targets[0].target, small.value
+        pairs = [(target, value)]
+        if isinstance(target, (cst.Tuple, cst.List)) and isinstance(value, (cst.Tuple, cst.List)):
+            if len(target.elements) == len(value.elements):
+                pairs = [(t.value, v.value) for t, v in zip(target.elements, value.elements)]
+        for t, v in pairs:
+            if isinstance(t, cst.Name) and _is_device_copy(facts, v):
+                return t.value
+    return None
+
+
+def _is_device_copy(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
+    """``x.to(device)``, ``x.cuda()``, or casts chained on one (``x.to(device).float()``)."""
+    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
+        if h2d_copy(facts, node):
+            return True
+        node = node.func.value
+    return False
 
 
 def _forward_statements(

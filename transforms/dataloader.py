@@ -10,7 +10,7 @@ from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_i
 from autotune.transforms._model import ClassRef, argument, find_class, model_class, scope_of, training
 from autotune.transforms._sites import h2d_copy, short
 
-from ._model import assignments, is_name, scope_of
+from ._model import assignments, is_name
 
 _DATALOADER = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")

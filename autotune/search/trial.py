@@ -310,6 +310,29 @@ class TrialSettings:
     launcher: tuple[str, ...] = ()  # runs ``launcher + [script] + args`` in place of ``python script args``
 
 
+def mirror(cwd: Path, root: Path, own: Path) -> Path:
+    """A folder under ``root`` that mirrors ``cwd`` and each folder above it with links to their entries (but
+    ``own``'s): a trial run there reads the user's files by the same relative paths, ``../`` included, and what
+    it writes lands under ``root``; returns the mirror of ``cwd``."""
+    cwd = cwd.resolve()
+    for folder in (cwd, *cwd.parents):
+        here = root / folder.relative_to(folder.anchor)
+        here.mkdir(parents=True, exist_ok=True)
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for e in entries:
+            path = Path(e.path)
+            if path in (cwd, *cwd.parents) or own == path or path in own.parents:
+                continue  # on the way down (mirrored itself), or the search's own folder (a loop)
+            try:
+                (here / e.name).symlink_to(path)
+            except OSError:  # a name the file system refuses here: the trial does without it
+                pass
+    return root / cwd.relative_to(cwd.anchor)
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -453,6 +476,10 @@ class Runner:
         result_path = tdir / "result.json"
         # the search's own pid: under a launcher the trial's ranks are not its children, yet end when it dies
         spec = {"warmup": s.warmup, "steps": s.steps, "result": str(result_path), "search_pid": os.getpid()}
+        # the trial's working directory is a mirror of the user's: a checkpoint it saves lands here, not on theirs
+        own = self.work.resolve()
+        cwd = mirror(s.cwd, tdir / "cwd", own)
+        spec.update(mirror=str(tdir / "cwd"), cwd=str(s.cwd.resolve()), own=str(own))
         if s.launcher:
             spec.update(per_rank=True, pids=str(tdir / "pids"))
         (tdir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -474,7 +501,7 @@ class Runner:
         others = {p for p, (ppid, _) in _process_table().items() if ppid == os.getpid()}
         with open(tdir / "stdout.log", "wb") as out, open(tdir / "stderr.log", "wb") as err:
             proc = subprocess.Popen(
-                cmd, cwd=s.cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
             )
             try:
                 if on_start is not None:
