@@ -180,6 +180,69 @@ def shared(request, tmp_path):
     return str(tmp_path / "study.log"), (None, None)
 
 
+def _fresh_database(url: str, name: str) -> str:
+    """A new empty database ``name`` on the server of ``url``; its URL."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(_driver(url), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    finally:
+        engine.dispose()
+    return url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _driver(url: str) -> str:
+    from autotune.search.study import _with_installed_driver
+    import sqlalchemy
+
+    return _with_installed_driver(sqlalchemy.engine.make_url(url)).render_as_string(hide_password=False)
+
+
+OPEN_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from autotune.search.study import open_storage
+ready, go = Path(sys.argv[2]), Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+open_storage(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "sqlite"])
+def test_workers_opening_a_new_database_at_once_all_get_it(tmp_path, kind, request):
+    # workers started together on a fresh database race to create Optuna's tables: each must end up with them
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 'new.db'}"
+    else:
+        url = _fresh_database(request.getfixturevalue("postgres" if kind == "postgresql" else "mysql"), "at_once")
+    go = tmp_path / "go"
+    procs = []
+    for i in range(4):
+        ready = tmp_path / f"ready-{i}"
+        cmd = [sys.executable, "-c", OPEN_AT_ONCE, url, str(ready), str(go)]
+        procs.append((subprocess.Popen(cmd, env=ENV, stderr=subprocess.PIPE, text=True), ready))
+    try:
+        deadline = time.monotonic() + 120
+        while not all(ready.exists() for _, ready in procs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p, _ in procs), "a worker did not start"
+            time.sleep(0.05)
+        go.touch()
+        errors = [p.communicate(timeout=120)[1] for p, _ in procs]
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p, _ in procs] == [0] * 4, errors
+    import optuna
+
+    optuna.create_study(storage=_storage(url), study_name="after")  # the tables are all there, and work
+
+
 # --- helpers ---------------------------------------------------------------------------------------------------
 
 
