@@ -243,6 +243,22 @@ def test_workers_opening_a_new_database_at_once_all_get_it(tmp_path, kind, reque
     optuna.create_study(storage=_storage(url), study_name="after")  # the tables are all there, and work
 
 
+def test_report_on_a_database_without_a_study_refuses_it_and_creates_nothing(tmp_path, database):
+    import sqlalchemy
+
+    url = _fresh_database(database, "no_study")
+    run = subprocess.run(
+        [sys.executable, "-m", "autotune", "report", "--storage", url, "--out", str(tmp_path / "r")],
+        env=ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2 and run.stderr.strip().endswith("holds no Optuna study"), run.stderr
+    engine = sqlalchemy.create_engine(_driver(url))
+    try:
+        assert sqlalchemy.inspect(engine).get_table_names() == []
+    finally:
+        engine.dispose()
+
+
 # --- helpers ---------------------------------------------------------------------------------------------------
 
 
@@ -312,6 +328,8 @@ def search_configs(ts) -> list[tuple]:
 
 def test_two_workers_share_one_study(tmp_path, shared):
     storage, hosts = shared
+    if storage.startswith("postgresql"):  # (the server trusts loopback: the password is never checked, only hidden)
+        storage += "?password=hunter2"
     workers = [start_worker(tmp_path, storage, "two", i, host) for i, host in enumerate(hosts)]
     logs = [finish(proc, log) for proc, _, log in workers]
 
@@ -346,6 +364,9 @@ def test_two_workers_share_one_study(tmp_path, shared):
             assert json.loads(t.user_attrs["claim"])[1] == f"{r['host']} ({r['device_name']})"
 
     report = autotune_report(tmp_path, storage, "two")
+    outs = [out for _, out, _ in workers] + [tmp_path / "report"]
+    written = [*logs, *((out / name).read_text() for out in outs for name in ("autotune.yaml", "report.md"))]
+    assert not [text for text in written if "hunter2" in text]
     rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|search|confirm) \|", line)]
     assert len(rows) == len(done)
     if hosts[0]:

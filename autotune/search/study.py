@@ -299,7 +299,10 @@ def _database(url: str, must_exist: bool = False, shown: str | None = None) -> S
     kwargs: dict[str, Any] = {}
     beat = None
     if backend != "sqlite":
-        kwargs["engine_kwargs"] = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+        connect = {"connect_timeout": CONNECT_TIMEOUT_S}
+        if must_exist and parsed.get_driver_name() in READ_ONLY_SESSION:  # the drivers autotune installs
+            connect.update(READ_ONLY_SESSION[parsed.get_driver_name()])
+        kwargs["engine_kwargs"] = {"connect_args": connect}
         beat = heartbeat_interval()
         kwargs.update(heartbeat_interval=beat, grace_period=GRACE_BEATS * beat)
     full = parsed.render_as_string(hide_password=False)
@@ -362,6 +365,11 @@ def _tables(url: str, engine_kwargs: dict[str, Any]) -> set[str]:
 # the drivers autotune's extras install, per database, in order of preference; sqlalchemy's own default for a bare
 # postgresql:// or mysql:// differs between its versions (psycopg2 or psycopg; mysqlclient)
 DRIVERS = {"postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2")), "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql"))}
+# autotune report reads a study on a database server in read-only sessions, so that nothing it does can write
+READ_ONLY_SESSION = {
+    **dict.fromkeys(("psycopg", "psycopg2"), {"options": "-c default_transaction_read_only=on"}),
+    **dict.fromkeys(("mysqldb", "pymysql"), {"init_command": "SET SESSION TRANSACTION READ ONLY"}),
+}
 
 
 def _with_installed_driver(parsed):
