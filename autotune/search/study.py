@@ -208,13 +208,14 @@ def open_storage(url: str | None, default_db: Path | None = None, must_exist: bo
     return _database(url, must_exist)
 
 
-def _head(path: Path, size: int) -> bytes | None:
-    """The first ``size`` bytes of a regular file (never a FIFO or device, which could block or never end)."""
+def _head(path: Path, size: int, line: bool = False) -> bytes | None:
+    """The first ``size`` bytes (or its first line, up to that) of a regular file (never a FIFO or a device, which
+    could block or never end)."""
     try:
         if not path.is_file():
             return None
         with open(path, "rb") as f:
-            return f.read(size)
+            return f.readline(size) if line else f.read(size)
     except OSError:
         return None
 
@@ -224,17 +225,15 @@ def _is_sqlite(path: Path) -> bool:
 
 
 def _is_journal(path: Path) -> bool:
-    """Whether ``path`` is empty or starts as Optuna's journal files do: a JSON object with an op_code per line."""
-    head = _head(path, 1 << 16)
-    if head is None:
-        return False
-    if not head.strip():
+    """Whether ``path`` is an empty file or starts as Optuna's journal files do: a JSON object with an op_code."""
+    first = _head(path, 1 << 20, line=True)
+    if first == b"":
         return True
     try:
-        first = json.loads(head.splitlines()[0])
+        entry = json.loads(first) if first else None
     except ValueError:
         return False
-    return isinstance(first, dict) and "op_code" in first
+    return isinstance(entry, dict) and "op_code" in entry
 
 
 def _journal(path: Path, must_exist: bool) -> Storage:
@@ -291,7 +290,9 @@ def _database(url: str, must_exist: bool = False, shown: str | None = None) -> S
 
     backend = parsed.get_backend_name()
     parsed = _with_installed_driver(parsed)
-    file = Path(parsed.database).resolve() if backend == "sqlite" and parsed.database not in (None, "", ":memory:") else None
+    # (a file given as an SQLite URI, file:...?uri=true, is the user's own business: it is not watched)
+    plain = backend == "sqlite" and parsed.database not in (None, "", ":memory:") and "uri" not in parsed.query
+    file = Path(parsed.database).resolve() if plain else None
     if file is not None and must_exist:
         if not file.is_file():
             raise UsageError(f"{file}: no such study database")
@@ -300,8 +301,9 @@ def _database(url: str, must_exist: bool = False, shown: str | None = None) -> S
     beat = None
     if backend != "sqlite":
         connect = {"connect_timeout": CONNECT_TIMEOUT_S}
-        if must_exist and parsed.get_driver_name() in READ_ONLY_SESSION:  # the drivers autotune installs
-            connect.update(READ_ONLY_SESSION[parsed.get_driver_name()])
+        driver = parsed.drivername.partition("+")[2]  # (get_driver_name() would load a dialect it may not know)
+        if must_exist and driver in READ_ONLY_SESSION:  # the drivers autotune installs
+            connect.update(READ_ONLY_SESSION[driver])
         kwargs["engine_kwargs"] = {"connect_args": connect}
         beat = heartbeat_interval()
         kwargs.update(heartbeat_interval=beat, grace_period=GRACE_BEATS * beat)
