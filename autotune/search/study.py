@@ -330,7 +330,7 @@ def _database(url: str, must_exist: bool = False, shown: str | None = None) -> S
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 storage = optuna.storages.RDBStorage(full, skip_table_creation=must_exist, **kwargs)
             return Storage(storage, shown, storage if beat else None, *(_file(file) if file else (None, None)))
-        except sqlalchemy.exc.DBAPIError as exc:
+        except (sqlalchemy.exc.DBAPIError, optuna.exceptions.StorageInternalError) as exc:
             # workers started at once on a new database race to create Optuna's tables (MySQL: the table exists
             # already; PostgreSQL: a duplicate key in its catalog; SQLite: locked): the connection works, so the
             # loser makes the tables that are still missing
