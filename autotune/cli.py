@@ -277,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report", help="write a study's outputs (tuned script, autotune.yaml, report) without running trials"
     )
-    report.add_argument("--storage", metavar="URL", help="the study's storage: database URL or file (default: $AUTOTUNE_STORAGE)")
+    report.add_argument(
+        "--storage", metavar="URL", help="the study's storage: database URL or file (default: $AUTOTUNE_STORAGE)"
+    )
     report.add_argument("--study-name", metavar="NAME", help="the study (default: the storage's only study)")
     report.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
     report.add_argument("--script", metavar="PATH", help="where the searched script is now (default: as recorded)")

@@ -254,7 +254,8 @@ def _journal(path: Path, must_exist: bool) -> Storage:
     except OSError as exc:
         raise UsageError(f"{path}: cannot open the journal file: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError) as exc:  # a line further down that is not a journal entry
-        raise UsageError(f"{path}: not a valid Optuna journal file ({type(exc).__name__}: {_first_line(exc)})") from None
+        why = f"{type(exc).__name__}: {_first_line(exc)}"
+        raise UsageError(f"{path}: not a valid Optuna journal file ({why})") from None
     return Storage(storage, str(path), None, *_file(path))
 
 
