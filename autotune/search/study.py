@@ -231,8 +231,8 @@ def _is_journal(path: Path) -> bool:
         return True
     try:
         entry = json.loads(first) if first else None
-    except ValueError:
-        return False
+    except ValueError:  # (or another worker is writing the journal's first line at this moment)
+        return not first.endswith(b"\n") and re.match(rb'\{\s*"op_code"\s*:', first) is not None
     return isinstance(entry, dict) and "op_code" in entry
 
 
