@@ -203,6 +203,9 @@ def test_a_search_database_path_opens_as_sqlite_and_other_paths_as_journal_files
     assert type(journal.optuna).__name__ == "JournalStorage" and journal.heartbeat is None
     with pytest.raises(UsageError, match="folder of the journal file does not exist"):
         open_storage(str(tmp_path / "nope" / "j.log"))
+    # another worker is writing the journal's first line at this moment: still a journal
+    (tmp_path / "new.log").write_text('{"op_code":0,"worker_id":"w-1","study_na')
+    assert open_storage(str(tmp_path / "new.log")).file == tmp_path / "new.log"
 
 
 # --- the user's files are never written to -------------------------------------------------------------------
