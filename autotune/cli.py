@@ -183,6 +183,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.live import SearchDisplay
     from autotune.search.report import print_summary, write_outputs
     from autotune.search.search import SearchOptions, run_search
+    from autotune.search.study import storage_url
 
     path = Path(args.path)
     project = load_project(path)
@@ -197,7 +198,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         steps=args.steps,
         warmup=args.warmup,
         device=args.device,
-        storage=args.storage,
+        storage=storage_url(args.storage),
         study_name=args.study_name,
         space=Path(args.space) if args.space else None,
         rtol=args.rtol,
@@ -214,9 +215,13 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.report import print_summary, write_outputs
     from autotune.search.search import report_from_study
+    from autotune.search.study import STORAGE_ENV, storage_url
 
     script = Path(args.script) if args.script else None
-    outcome = report_from_study(args.storage, args.study_name, Path(args.out), script)
+    storage = storage_url(args.storage)
+    if storage is None:
+        raise UsageError(f"report needs the study's storage: --storage URL, or the environment variable {STORAGE_ENV}")
+    outcome = report_from_study(storage, args.study_name, Path(args.out), script)
     print_summary(outcome, write_outputs(outcome), console)
     return 0
 
@@ -299,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--warmup", type=int, default=5, help="warm-up steps before the measured ones (default 5)")
     search.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to tune for")
     search.add_argument(
-        "--storage", metavar="URL", help="database URL or journal file, to share the study (default: DIR/study.db)"
+        "--storage",
+        metavar="URL",
+        help="database URL or journal file, to share the study (default: $AUTOTUNE_STORAGE, else DIR/study.db)",
     )
     search.add_argument("--study-name", metavar="NAME", help="study name (default: script name + fingerprint)")
     search.add_argument("--space", metavar="FILE", help="search space YAML (default: the bundled one for the device)")
@@ -318,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  autotune report --storage autotune-out/study.db --out report/\n"
         "  autotune report --storage postgresql://user@db-host/autotune --study-name cnn-bs64\n",
     )
-    report.add_argument("--storage", required=True, metavar="URL", help="the study's storage: database URL or file")
+    report.add_argument(
+        "--storage", metavar="URL", help="the study's storage: database URL or file (default: $AUTOTUNE_STORAGE)"
+    )
     report.add_argument("--study-name", metavar="NAME", help="the study (default: the storage's only study)")
     report.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
     report.add_argument("--script", metavar="PATH", help="where the searched script is now (default: as recorded)")

@@ -1,5 +1,5 @@
 """Two ``autotune search`` workers on one study at once: real PostgreSQL and MariaDB servers on loopback, and a
-journal file.
+journal file; workers that open a new database at once; ``autotune report`` on a database without a study.
 
 The servers are Debian's PostgreSQL and MariaDB (``.ci/run`` installs them), each started for these tests on a free
 port in a temporary folder and removed afterwards. Where one cannot be started its tests are skipped, and the
@@ -180,6 +180,27 @@ def shared(request, tmp_path):
     return str(tmp_path / "study.log"), (None, None)
 
 
+def _fresh_database(url: str, name: str) -> str:
+    """A new empty database ``name`` on the server of ``url``; its URL."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(_driver(url), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    finally:
+        engine.dispose()
+    return url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _driver(url: str) -> str:
+    import sqlalchemy
+
+    from autotune.search.study import _with_installed_driver
+
+    return _with_installed_driver(sqlalchemy.engine.make_url(url)).render_as_string(hide_password=False)
+
+
 # --- helpers ---------------------------------------------------------------------------------------------------
 
 
@@ -249,6 +270,8 @@ def search_configs(ts) -> list[tuple]:
 
 def test_two_workers_share_one_study(tmp_path, shared):
     storage, hosts = shared
+    if storage.startswith("postgresql"):  # (the server trusts loopback: the password is never checked, only hidden)
+        storage += "?password=hunter2"
     workers = [start_worker(tmp_path, storage, "two", i, host) for i, host in enumerate(hosts)]
     logs = [finish(proc, log) for proc, _, log in workers]
 
@@ -283,6 +306,9 @@ def test_two_workers_share_one_study(tmp_path, shared):
             assert json.loads(t.user_attrs["claim"])[1] == f"{r['host']} ({r['device_name']})"
 
     report = autotune_report(tmp_path, storage, "two")
+    outs = [out for _, out, _ in workers] + [tmp_path / "report"]
+    written = [*logs, *((out / name).read_text() for out in outs for name in ("autotune.yaml", "report.md"))]
+    assert not [text for text in written if "hunter2" in text]
     rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|search|confirm) \|", line)]
     assert len(rows) == len(done)
     if hosts[0]:
@@ -361,3 +387,65 @@ def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, data
         if t.state.name == "COMPLETE" and t.params == victim.params and t.user_attrs.get("role") == "search"
     ]
     assert len(again) == 1 and again[0].number > victim.number and again[0].user_attrs["worker"].startswith("alpha:")
+
+
+# --- opening a study's database ------------------------------------------------------------------------------
+
+
+OPEN_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from autotune.search.study import open_storage
+ready, go = Path(sys.argv[2]), Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+open_storage(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "sqlite"])
+def test_workers_opening_a_new_database_at_once_all_get_it(tmp_path, kind, request):
+    # workers started together on a fresh database race to create Optuna's tables: each must end up with them
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 'new.db'}"
+    else:
+        url = _fresh_database(request.getfixturevalue("postgres" if kind == "postgresql" else "mysql"), "at_once")
+    go = tmp_path / "go"
+    procs = []
+    for i in range(4):
+        ready = tmp_path / f"ready-{i}"
+        cmd = [sys.executable, "-c", OPEN_AT_ONCE, url, str(ready), str(go)]
+        procs.append((subprocess.Popen(cmd, env=ENV, stderr=subprocess.PIPE, text=True), ready))
+    try:
+        deadline = time.monotonic() + 120
+        while not all(ready.exists() for _, ready in procs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p, _ in procs), "a worker did not start"
+            time.sleep(0.05)
+        go.touch()
+        errors = [p.communicate(timeout=120)[1] for p, _ in procs]
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p, _ in procs] == [0] * 4, errors
+    import optuna
+
+    optuna.create_study(storage=_storage(url), study_name="after")  # the tables are all there, and work
+
+
+def test_report_on_a_database_without_a_study_refuses_it_and_creates_nothing(tmp_path, database):
+    import sqlalchemy
+
+    url = _fresh_database(database, "no_study")
+    run = subprocess.run(
+        [sys.executable, "-m", "autotune", "report", "--storage", url, "--out", str(tmp_path / "r")],
+        env=ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2 and run.stderr.strip().endswith("holds no Optuna study"), run.stderr
+    engine = sqlalchemy.create_engine(_driver(url))
+    try:
+        assert sqlalchemy.inspect(engine).get_table_names() == []
+    finally:
+        engine.dispose()

@@ -196,12 +196,126 @@ def test_a_search_database_path_opens_as_sqlite_and_other_paths_as_journal_files
     import sqlite3
 
     db = tmp_path / "study.db"
-    sqlite3.connect(db).execute("create table t (x)").connection.commit()
+    sqlite3.connect(db).executescript("create table t (x); drop table t")  # an SQLite database without tables
     assert open_storage(str(db)).description == f"sqlite:///{db}"
+    assert open_storage(str(db)).description == f"sqlite:///{db}"  # and a study's database opens again
     journal = open_storage(str(tmp_path / "j.log"))
     assert type(journal.optuna).__name__ == "JournalStorage" and journal.heartbeat is None
     with pytest.raises(UsageError, match="folder of the journal file does not exist"):
         open_storage(str(tmp_path / "nope" / "j.log"))
+    # another worker is writing the journal's first line at this moment: still a journal
+    (tmp_path / "new.log").write_text('{"op_code":0,"worker_id":"w-1","study_na')
+    assert open_storage(str(tmp_path / "new.log")).file == tmp_path / "new.log"
+
+
+# --- the user's files are never written to -------------------------------------------------------------------
+
+
+def _user_files(tmp_path: Path) -> dict[str, bytes]:
+    import sqlite3
+
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "train.py").write_text(TINY.read_text())
+    (tmp_path / "data.json").write_text('{"a": 1}\n')  # JSON, but not Optuna's journal
+    conn = sqlite3.connect(tmp_path / "plain.db")
+    conn.execute("create table users (name)")
+    conn.commit()
+    conn.close()
+    return {name: (tmp_path / name).read_bytes() for name in ("notes.txt", "train.py", "data.json", "plain.db")}
+
+
+@pytest.mark.parametrize("command", ["search", "report"])
+def test_a_storage_file_that_is_not_a_study_is_refused_and_left_as_it_was(command, tmp_path, capsys):
+    before = _user_files(tmp_path)
+    for name in before:
+        if command == "search":
+            argv = ["search", TINY, "--out", tmp_path / "out", "--storage", tmp_path / name, "--", "--iters", "12"]
+        else:
+            argv = ["report", "--storage", tmp_path / name, "--out", tmp_path / "out"]
+        rc, err = _cli(argv, capsys)
+        assert rc == 2 and len(err.splitlines()) == 1 and name in err, err
+        assert "Traceback" not in err and "Error:" not in err  # (no JSONDecodeError from a Python file)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "out") == sorted(before)  # no .lock left either
+
+
+def test_report_opens_a_study_database_read_only_and_refuses_one_without_a_study(tmp_path, capsys):
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    sqlite3.connect(tmp_path / "empty.db").executescript("create table t (x); drop table t")
+    rc, err = _cli(["report", "--storage", url, "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and "holds no Optuna study" in err
+    empty = sqlite3.connect(tmp_path / "empty.db")
+    assert empty.execute("select name from sqlite_master").fetchall() == []  # no table made in it
+    empty.close()
+    rc, err = _cli(["report", "--storage", tmp_path / "absent.db", "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and not (tmp_path / "absent.db").exists()
+
+    search = _search(tmp_path)
+    _store(search, open_storage(f"sqlite:///{tmp_path / 'study.db'}"), "a:1")
+    store = StudyStore(open_storage(str(tmp_path / "study.db"), must_exist=True), "s", create=False)
+    assert store.about()["script"] == str(TINY)
+    with pytest.raises(study_mod.StorageFailed, match="cannot be written .read-only.; the trials finished so far"):
+        store.ask(search.space.baseline())  # the database itself refuses writes
+
+
+def test_a_study_file_deleted_during_the_search_stops_it_saying_its_trials_are_gone(tmp_path, storage, monkeypatch):
+    search = _search(tmp_path)
+    store = _store(search, storage, "a:1")
+    config = search.space.baseline()
+    trial = store.ask(config)
+    store.label(trial, "baseline")
+    store.record(trial, _result(config, role="baseline", number=trial.number), 1.0)
+    storage.file.unlink()
+    monkeypatch.setattr(study_mod, "STORAGE_WAIT_S", 0.0)
+    with pytest.raises(study_mod.StorageFailed) as info:
+        store.label(store.ask(config), "baseline")
+    message = str(info.value)
+    assert "was deleted, moved or replaced" in message and "no longer there" in message
+    assert "kept" not in message and "resume" not in message
+
+
+# --- passwords -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u:secret@127.0.0.1:1/db",
+        "postgresql://u@127.0.0.1:1/db?password=secret",
+        "mysql://u@127.0.0.1:1/db?passwd=secret&charset=utf8mb4",
+        "mysql://u@127.0.0.1:1/db?PWD=secret",
+        "postgresql://u@127.0.0.1:1/db?sslpassword=secret",
+        "postgresql://u:secret@host:port/db",  # does not parse
+        "postgresql://u@host:port/db?password=secret",
+    ],
+)
+def test_a_storage_password_is_never_shown(url, tmp_path, capsys):
+    rc, err = _cli(["report", "--storage", url, "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and "secret" not in err and "***" in err and len(err.splitlines()) == 1
+
+
+def test_a_password_in_the_query_is_not_written_to_the_outputs(tmp_path):
+    from autotune.search.study import _hidden
+
+    # the outputs name the storage by its description: check it hides every form a driver takes
+    for url in ("postgresql://u@h/db?password=secret&x=1", "mysql://u@h/db?passwd=secret", "mysql://u:secret@h/db"):
+        import sqlalchemy
+
+        shown = _hidden(sqlalchemy.engine.make_url(url).render_as_string(hide_password=True))
+        assert "secret" not in shown and "***" in shown and shown.startswith(url.split("://")[0])
+
+
+def test_the_storage_can_come_from_the_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(study_mod.STORAGE_ENV, "postgresql://u@127.0.0.1:1/db?password=secret")
+    rc, err = _cli(["report", "--out", tmp_path / "r"], capsys)  # no --storage: AUTOTUNE_STORAGE
+    assert rc == 2 and "cannot open the study storage postgresql://u@127.0.0.1:1/db?password=***" in err
+    rc, err = _cli(["report", "--storage", tmp_path / "missing.log", "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and "missing.log" in err  # the command line comes first
+    monkeypatch.delenv(study_mod.STORAGE_ENV)
+    rc, err = _cli(["report", "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and "--storage" in err and study_mod.STORAGE_ENV in err
 
 
 def _cli(argv, capsys):

@@ -359,11 +359,14 @@ class Search:
         env = dict(self.o.env)
         if self.device == "cpu":
             env.setdefault("CUDA_VISIBLE_DEVICES", "")  # tune for the CPU even where a GPU is present
-        previous = signal.getsignal(signal.SIGTERM)
+        # Ctrl-C and SIGTERM stop the search with its study kept, even where SIGINT came in ignored (a shell's
+        # background job): Python installs its own SIGINT handler only where the signal was not ignored
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            signal.signal(signal.SIGTERM, _raise_interrupt)
+            for sig in previous:
+                signal.signal(sig, _raise_interrupt)
         except ValueError:  # not the main thread
-            previous = None
+            previous = {}
         self.runner = None
         try:
             storage = open_storage(self.o.storage, self.out / DB_NAME)
@@ -393,8 +396,8 @@ class Search:
             finally:
                 self.display.end()
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             if self.runner is not None:
                 self.runner.cleanup()
             else:
@@ -1099,7 +1102,7 @@ def local_speedups(results) -> dict[int, float]:
     return out
 
 
-def _raise_interrupt(signum, frame):  # SIGTERM ends a search the way Ctrl-C does: trials stopped, study kept
+def _raise_interrupt(signum, frame):  # SIGINT and SIGTERM end a search alike: trials stopped, study kept
     raise KeyboardInterrupt
 
 
