@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import shutil
+import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,20 +101,34 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
         # baking writes only what differs from the original behaviour
         transforms = [t for t in transforms if any(mode.value(k) != k.default for k in t.knobs)]
     instances = [t(project, mode) for t in transforms]
+    # each transform writes into edits of its own, merged in transform order once all succeeded: one that fails
+    # inside its own analysis leaves its sites untouched in every file, and the others go on
+    own: dict[tuple[ModuleFacts, Transform], Edits] = {}
+    failed: set[Transform] = set()
+    for facts in project.modules:
+        for transform in instances:
+            if transform in failed or (transform.entry_only and facts is not project.entry):
+                continue
+            edits = own[facts, transform] = Edits()
+            try:
+                transform.apply(facts, edits)
+            except Exception as exc:  # a transform bug: the script is still scanned and patched by the others
+                failed.add(transform)
+                transform.sites[:] = [Site(transform.name, facts.display, 1, 1, Status.NOT_ANALYSED, _failure(exc))]
     used: dict[str, Knob] = {}
     per_file: list[tuple[ModuleFacts, Edits]] = []
     for facts in project.modules:
         edits = Edits()
-        per_file.append((facts, edits))
         for transform in instances:
-            if transform.entry_only and facts is not project.entry:
-                continue
-            before, asked = len(transform.sites), edits.runtime_calls
-            transform.apply(facts, edits)
-            applicable = any(s.status is Status.APPLICABLE for s in transform.sites[before:])
-            # a site already present can still be made a knob (the dtype of the script's own autocast)
-            if mode.gated and (applicable or edits.runtime_calls > asked):
-                used.update((k.name, k) for k in transform.knobs_read())
+            if transform not in failed and (facts, transform) in own:
+                edits.merge(own[facts, transform])
+        per_file.append((facts, edits))
+    for transform in instances:
+        # a site already present can still be made a knob (the dtype of the script's own autocast)
+        asked = any(e.runtime_calls for (_, t), e in own.items() if t is transform)
+        applicable = any(s.status is Status.APPLICABLE for s in transform.sites)
+        if mode.gated and transform not in failed and (applicable or asked):
+            used.update((k.name, k) for k in transform.knobs_read())
     # a trial times the loop wherever it lives, even when only the model's file changed (sdpa, checkpointing)
     if mode.gated and hooks and any(edits for _, edits in per_file):
         for facts, edits in per_file:
@@ -129,6 +144,13 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
         files.append(FileChange(facts, facts.path.relative_to(project.root), new_text))
     sites = tuple(s for t in instances for s in t.sites)
     return PatchResult(project, sites, tuple(files), tuple(sorted(used.values(), key=lambda k: k.name)))
+
+
+def _failure(exc: Exception) -> str:
+    """Why a transform could not analyse a file: the exception and the line of autotune that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).parent.name}/{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where} (a bug in autotune; its sites are left as written)"
 
 
 def scan(project: Project, transforms: list[type[Transform]] | None = None) -> tuple[Site, ...]:

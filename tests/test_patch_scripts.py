@@ -13,6 +13,7 @@ import yaml
 
 from autotune.analysis import load_project
 from autotune.patch import run, select, write_outputs
+from autotune.transform import Status
 from loss_probe import run_probe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,3 +93,9 @@ def test_step_hook_lands_in_the_loop_file_when_only_the_model_file_changes():
     loop_file = loop.module.path.relative_to(project.root).as_posix()
     assert any("scaled_dot_product_attention" in text for text in changed.values())
     assert "_autotune.step(" in changed[loop_file]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_id)
+def test_every_transform_analyses_every_file(script: Path):
+    failed = [s for s in run(load_project(script)).sites if s.status is Status.NOT_ANALYSED]
+    assert not failed, failed
