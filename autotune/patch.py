@@ -17,11 +17,13 @@ from autotune.analysis import (
     RUNTIME_MODULE,
     ModuleFacts,
     Project,
+    StepScope,
     TrainingLoop,
     load_project,
     no_gc,
     source_lines,
 )
+from autotune.bound import unbound
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
@@ -194,7 +196,8 @@ def _batch_name(loop: TrainingLoop) -> str | None:
 
 
 def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
-    """After the last optimizer step of each training step, ``_autotune.step(losses...)`` (a no-op outside trials)."""
+    """After the last optimizer step of each training step, ``_autotune.step(losses...)`` (a no-op outside trials),
+    once on whichever path the step takes; a loss or batch not bound on every path there is left out."""
     for loop in project.loops:
         scopes = [s for s in loop.scopes if s.module is facts and s.steps]
         if not scopes:
@@ -202,13 +205,78 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
         scope = scopes[-1]
         if any(facts.is_runtime_call(c, "step") for c in facts.calls_in(scope.owner)):
             continue  # already patched
-        last = max(scope.steps, key=lambda c: facts._enter[c])
-        anchor = facts.statement_of(last)
-        args = _hook_losses(facts, scope.loss_exprs())
-        batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
-        if batch is not None and batch not in args:
-            args.append(f"batch={batch}")
-        edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
+        losses = _hook_losses(facts, scope.loss_exprs())
+        for anchor in _hook_anchors(facts, scope):
+            args = [code for code in losses if not unbound(facts, anchor, code, after=True)]
+            batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
+            if batch is not None and batch not in args and not unbound(facts, anchor, batch, after=True):
+                args.append(f"batch={batch}")
+            edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
+
+
+def _hook_anchors(facts: ModuleFacts, scope: StepScope) -> list[cst.BaseStatement]:
+    """The statements after which a training step has ended, one on each path through the step."""
+    stepping = []
+    for call in scope.steps:
+        at = facts.statement_of(call)
+        for node in facts.ancestors(call):
+            if node is scope.owner:
+                break
+            if isinstance(node, (cst.For, cst.While)):
+                at = node  # a loop over optimizers: the step ends with the loop
+        stepping.append(at)
+    return _anchors_among(facts, stepping)
+
+
+def _anchors_among(facts: ModuleFacts, stepping: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+    """The last statement holding a step in the innermost block holding them all; an ``if`` whose every branch
+    steps counts as one (``scaler.step(opt)`` else ``opt.step()``), else each branch that steps gets its own."""
+    block = next(
+        b for b in facts.ancestors(stepping[0])
+        if isinstance(b, (cst.IndentedBlock, cst.SimpleStatementSuite, cst.Module)) and all(facts.contains(b, s) for s in stepping)
+    )
+    last = max((next(n for n in [s, *facts.ancestors(s)] if facts.parent(n) is block) for s in stepping), key=facts._enter.__getitem__)
+    if isinstance(last, cst.If) and last not in stepping and not _all_branches_step(facts, last, stepping):
+        return [a for b in _branches(last)[0] if (inside := [s for s in stepping if facts.contains(b, s)]) for a in _anchors_among(facts, inside)]
+    # the step in one branch, a hand-written update in the others (``else: p.data.add_(p.grad, alpha=-lr)``)
+    while True:
+        top = _chain_of(facts, last)
+        if top is None or not _all_branches_step(facts, top, [last]):
+            return [last]
+        last = top
+
+
+def _chain_of(facts: ModuleFacts, stmt: cst.BaseStatement) -> cst.If | None:
+    """The ``if`` statement (the head of its elif chain) one of whose branches holds ``stmt``."""
+    node = facts.parent(facts.parent(stmt))  # the block's owner
+    if isinstance(node, cst.Else):
+        node = facts.parent(node)
+    if not isinstance(node, cst.If):
+        return None
+    while isinstance(facts.parent(node), cst.If):
+        node = facts.parent(node)
+    return node
+
+
+def _all_branches_step(facts: ModuleFacts, node: cst.If, stepping: list[cst.BaseStatement]) -> bool:
+    branches, complete = _branches(node)
+    return complete and all(any(facts.contains(b, s) for s in stepping) or _updates_by_hand(facts, b) for b in branches)
+
+
+def _branches(node: cst.If) -> tuple[list[cst.BaseSuite], bool]:
+    """The blocks of an if/elif/else chain, and whether it ends in an ``else`` (some branch always runs)."""
+    out = [node.body]
+    while isinstance(node.orelse, cst.If):
+        node = node.orelse
+        out.append(node.body)
+    if node.orelse is None:
+        return out, False
+    return [*out, node.orelse.body], True
+
+
+def _updates_by_hand(facts: ModuleFacts, block: cst.CSTNode) -> bool:
+    """Whether a branch reads gradients (``p.data.add_(p.grad, alpha=-lr)``): a hand-written optimizer step."""
+    return any(n.attr.value == "grad" for n in facts.nodes_in(block, cst.Attribute))
 
 
 # --- applying edits ----------------------------------------------------------------------------------------
