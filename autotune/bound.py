@@ -168,13 +168,12 @@ def _function_binds(facts: ModuleFacts, fn: cst.FunctionDef, name: str) -> bool:
     try:
         symbol = table.lookup(name)
     except KeyError:
-        return False
-    if symbol.is_parameter():
+        symbol = None  # the function does not mention the name: it would read an enclosing scope's
+    if symbol is not None and symbol.is_parameter():
         return True
-    if symbol.is_local() and not symbol.is_global():
+    if symbol is not None and symbol.is_local() and not symbol.is_global():
         return False  # read before any assignment on some path
-    enclosing = facts.function_of(fn)
-    if symbol.is_free() and enclosing is not None:
+    if facts.function_of(fn) is not None and not (symbol is not None and symbol.is_global()):
         return is_bound(facts, fn, name)  # bound in the enclosing function before the def
     # a global: the module's own statements bind it before any function runs, or it is a builtin
     return _binds_seq(list(facts.module.body), name) or name in _BUILTINS
