@@ -29,6 +29,43 @@ def unbound(facts: ModuleFacts, at: cst.BaseStatement, code: str, after: bool = 
     return [n for n in names if not is_bound(facts, at, n, after)]
 
 
+def statement_reads(stmt: cst.BaseStatement) -> list[str]:
+    """The variables a statement reads from outside itself (the names it binds first are its own)."""
+    if not isinstance(stmt, cst.SimpleStatementLine):  # ``for block in model.blocks: block.compile()``
+        own = set(_targets_inside(stmt))
+        return [n for n in dict.fromkeys(_reads(stmt)) if n not in own]
+    out: list[str] = []
+    for small in stmt.body:
+        if isinstance(small, (cst.Assign, cst.AnnAssign)):
+            if small.value is not None:
+                out.extend(_reads(small.value))
+        elif not isinstance(small, (cst.Import, cst.ImportFrom)):
+            out.extend(_reads(small))
+    return list(dict.fromkeys(out))
+
+
+def _targets_inside(node: cst.CSTNode) -> Iterator[str]:
+    targets = {cst.For: "target", cst.CompFor: "target", cst.AssignTarget: "target", cst.AsName: "name"}
+    field = targets.get(type(node))
+    if field is not None:
+        yield from _reads(getattr(node, field))
+    for child in node.children:
+        yield from _targets_inside(child)
+
+
+def statement_binds(stmt: cst.BaseStatement) -> set[str]:
+    """The names a simple statement binds (assignment targets, imports)."""
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return set()
+    out: set[str] = set()
+    for small in stmt.body:
+        if isinstance(small, cst.Assign):
+            out.update(n for t in small.targets for n in _reads(t.target) if _target_binds(t.target, n))
+        elif isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar):
+            out.update(_alias_name(a) for a in small.names)
+    return out
+
+
 def is_bound(facts: ModuleFacts, at: cst.BaseStatement, name: str, after: bool = False) -> bool:
     """Whether ``name`` is bound on every path that reaches statement ``at`` (or leaves it normally, ``after``)."""
     if after and binds(at, name):

@@ -6,7 +6,7 @@ import difflib
 import shutil
 import traceback
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from autotune.analysis import (
     no_gc,
     source_lines,
 )
-from autotune.bound import unbound
+from autotune.bound import is_bound, statement_binds, statement_reads, unbound
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
@@ -112,11 +112,20 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
             if transform in failed or (transform.entry_only and facts is not project.entry):
                 continue
             edits = own[facts, transform] = Edits()
+            before = len(transform.sites)
             try:
                 transform.apply(facts, edits)
             except Exception as exc:  # a transform bug: the script is still scanned and patched by the others
                 failed.add(transform)
                 transform.sites[:] = [Site(transform.name, facts.display, 1, 1, Status.NOT_ANALYSED, _failure(exc))]
+                continue
+            unbound_read = _unbound_read(facts, edits)
+            if unbound_read is not None:  # the edits would raise NameError at the default: none of them is made
+                own[facts, transform] = Edits()
+                transform.sites[before:] = [
+                    replace(s, status=Status.NOT_APPLICABLE, reason=unbound_read) if s.status is Status.APPLICABLE else s
+                    for s in transform.sites[before:]
+                ]
     used: dict[str, Knob] = {}
     per_file: list[tuple[ModuleFacts, Edits]] = []
     for facts in project.modules:
@@ -146,6 +155,23 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
         files.append(FileChange(facts, facts.path.relative_to(project.root), new_text))
     sites = tuple(s for t in instances for s in t.sites)
     return PatchResult(project, sites, tuple(files), tuple(sorted(used.values(), key=lambda k: k.name)))
+
+
+def _unbound_read(facts: ModuleFacts, edits: Edits) -> str | None:
+    """Why a statement ``edits`` inserts could raise NameError: a name it reads that some path leaves unbound."""
+    added = [s for group in (*edits.before.values(), *edits.after.values()) for s in group]
+    ours = {RUNTIME_ALIAS, *(m.split(".")[0] for m in edits.imports)}
+    for s in [*edits.top, *edits.post_imports, *added]:
+        ours |= statement_binds(s)
+    for placed, after in ((edits.before, False), (edits.after, True)):
+        for anchor, stmts in placed.items():
+            for s in stmts:
+                for name in statement_reads(s):
+                    if name not in ours and not is_bound(facts, anchor, name, after):
+                        # ast gives positions of calls and compound statements, not of a line as a whole
+                        line = facts.position(next(iter(facts.calls_in(anchor)), anchor))[0]
+                        return f"{name} is not bound on every path to {facts.display}:{line}, where the edit reads it"
+    return None
 
 
 def _failure(exc: Exception) -> str:

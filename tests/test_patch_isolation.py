@@ -68,3 +68,33 @@ def test_search_setup_goes_on_without_the_failed_transform(with_broken, tmp_path
     names = {k.name for k in search.patch.knobs}
     assert "broken.on" not in names and "fused_optimizer.impl" in names
     assert all(not name.startswith("broken.") for name in search.space.describe())
+
+
+def _inserting(name: str) -> type[Transform]:
+    class Inserts(Transform):
+        """A transform that reads ``name`` in a statement it inserts before the gradient clipping."""
+
+        knobs = (Knob("inserts.on", (False, True), False, Numerics.EXACT),)
+
+        def apply(self, facts, edits) -> None:
+            for call in facts.calls:
+                if facts.qualname(call.func) == "torch.nn.utils.clip_grad_norm_":
+                    self.report(facts, call, Status.APPLICABLE, "inserts a statement")
+                    edits.insert_before(facts.statement_of(call), stmt(f"{edits.runtime('noop')}({name})\n"))
+
+    Inserts.name = "inserts"
+    return Inserts
+
+
+@pytest.mark.parametrize(("name", "applied"), [("optimizer", False), ("model", True), ("loss", True)])
+def test_an_edit_that_reads_a_name_unbound_on_some_path_is_not_made(name: str, applied: bool):
+    # the script binds ``optimizer`` only under --optimizer adamw, and clips on every path
+    result = run(load_project(REPO / "fixtures/scripts/rnn_optional_optimizer.py"), [_inserting(name)], hooks=False)
+    (site,) = result.sites
+    (file,) = result.files
+    assert (f"_autotune.noop({name})" in file.new_text) is applied
+    if applied:
+        assert site.status is Status.APPLICABLE and [k.name for k in result.knobs] == ["inserts.on"]
+    else:
+        assert site.status is Status.NOT_APPLICABLE and not result.changed and not result.knobs
+        assert site.reason == f"{name} is not bound on every path to {file.facts.display}:46, where the edit reads it"
