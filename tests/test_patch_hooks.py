@@ -77,3 +77,12 @@ def test_the_loss_given_to_a_librarys_backward_is_the_loss(case):
     (file,) = run(load_project(REPO / "fixtures/transforms/autocast" / f"{case}.in.py")).files
     (hook,) = [line.strip() for line in file.new_text.splitlines() if "_autotune.step(" in line]
     assert hook.startswith("_autotune.step(loss")
+
+
+def test_an_epoch_loop_that_calls_the_batch_loops_method_is_not_a_training_loop():
+    # Trainer.train() loops over epochs calling self._run_epoch(), whose loop over batches calls self._run_batch()
+    project = load_project(REPO / "fixtures/scripts/trainer_class.py")
+    (loop,) = project.loops
+    assert loop.module.function_of(loop.node).name.value == "_run_epoch"
+    text = run(project).files[0].new_text
+    assert text.count("_autotune.step(") == 1 and text.count("_autotune.gc_pause()") == 1
