@@ -563,15 +563,44 @@ class StepScope:
     zero_grads: tuple[cst.Call, ...]
 
     def loss_exprs(self) -> list[cst.BaseExpression]:
-        """The tensors ``backward()`` is called on, unwrapped from ``scaler.scale(...)``."""
+        """The tensors ``backward()`` is called on, unwrapped from ``scaler.scale(...)``; the argument of
+        ``accelerator.backward(loss)``, ``fabric.backward(loss)`` and ``torch.autograd.backward(loss)``."""
         out = []
         for call in self.backward:
             recv = call.func.value  # type: ignore[attr-defined]
+            if is_framework_backward(self.module, call):
+                if call.args and call.args[0].keyword is None and not call.args[0].star:
+                    out.append(call.args[0].value)
+                continue
             if isinstance(recv, cst.Call) and isinstance(recv.func, cst.Attribute) and recv.func.attr.value == "scale":
                 if recv.args:
                     recv = recv.args[0].value
             out.append(recv)
         return out
+
+
+# Libraries whose objects run backward() on the loss they are given (and scale it under their own precision).
+_BACKWARD_OWNERS = ("accelerate.", "lightning.", "lightning_fabric.", "pytorch_lightning.", "deepspeed.")
+
+
+def is_framework_backward(facts: ModuleFacts, call: cst.Call) -> bool:
+    """``accelerator.backward(loss)``, ``fabric.backward(loss)``, ``engine.backward(loss)``,
+    ``torch.autograd.backward(loss)``: the loss is the argument, not the receiver."""
+    if facts.qualname(call.func) == "torch.autograd.backward":
+        return True
+    recv = call.func.value  # type: ignore[attr-defined]
+    if not isinstance(recv, (cst.Name, cst.Attribute)):
+        return False
+    # only the spelling can be seen where the object arrives as a parameter or an attribute
+    last = facts.code(recv).rsplit(".", 1)[-1].lower()
+    if any(word in last for word in ("accelerator", "fabric", "engine")):
+        return True
+    code = facts.code(recv)
+    for assign in facts.assigns:
+        if isinstance(assign.value, cst.Call) and any(facts.code(t.target) == code for t in assign.targets):
+            if (facts.qualname(assign.value.func) or "").startswith(_BACKWARD_OWNERS):
+                return True
+    return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -848,9 +877,11 @@ def _scope_calls(
 
 def _find_loops(project: Project) -> None:
     candidates: list[tuple[ModuleFacts, cst.CSTNode, tuple[StepScope, ...]]] = []
+    reached: dict[cst.CSTNode, set] = {}  # loop -> the local functions its body calls, three calls deep
     for facts in project.modules:
         for loop in facts.loops:
-            scopes = _scope_calls(project, facts, loop, 0, set())
+            seen = reached[loop] = set()
+            scopes = _scope_calls(project, facts, loop, 0, seen)
             if any(s.backward for s in scopes) and any(s.steps for s in scopes):
                 candidates.append((facts, loop, tuple(scopes)))
     def inside(call_facts: ModuleFacts, call: cst.Call, other: tuple) -> bool:
@@ -860,7 +891,9 @@ def _find_loops(project: Project) -> None:
         steps = [(s.module, c) for s in scopes for c in s.steps]
         others = [c for c in candidates if c[1] is not loop and not (c[0] is facts and facts.contains(c[1], loop))]
         nested = any(c[0] is facts and facts.contains(loop, c[1]) for c in others)
-        if nested or any(all(inside(m, c, other) for m, c in steps) for other in others):
+        # a trainer's train() loops over epochs and calls _run_epoch(), which holds the loop over batches
+        calls_a_loop = any(c[0].function_of(c[1]) in reached[loop] for c in others)
+        if nested or calls_a_loop or any(all(inside(m, c, other) for m, c in steps) for other in others):
             continue  # an epoch loop: its steps belong to an inner loop, here or in a function it calls
         outer = loop
         for other_facts, other, _ in candidates:

@@ -27,6 +27,7 @@ STATUS_STYLE = {
     Status.PRESENT: "cyan",
     Status.USER: "yellow",
     Status.NOT_APPLICABLE: "dim",
+    Status.NOT_ANALYSED: "red",
 }
 
 JSON_SCHEMA_VERSION = 1

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ast
 import difflib
 import sys
+import traceback
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,14 @@ from autotune.analysis import (
     RUNTIME_MODULE,
     ModuleFacts,
     Project,
+    StepScope,
     TrainingLoop,
     load_project,
     no_gc,
     source_lines,
 )
 from autotune import files
+from autotune.bound import is_bound, statement_binds, statement_reads, unbound
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
@@ -107,20 +110,43 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
         # baking writes only what differs from the original behaviour
         transforms = [t for t in transforms if any(mode.value(k) != k.default for k in t.knobs)]
     instances = [t(project, mode) for t in transforms]
+    # each transform writes into edits of its own, merged in transform order once all succeeded: one that fails
+    # inside its own analysis leaves its sites untouched in every file, and the others go on
+    own: dict[tuple[ModuleFacts, Transform], Edits] = {}
+    failed: set[Transform] = set()
+    for facts in project.modules:
+        for transform in instances:
+            if transform in failed or (transform.entry_only and facts is not project.entry):
+                continue
+            edits = own[facts, transform] = Edits()
+            before = len(transform.sites)
+            try:
+                transform.apply(facts, edits)
+            except Exception as exc:  # a transform bug: the script is still scanned and patched by the others
+                failed.add(transform)
+                transform.sites[:] = [Site(transform.name, facts.display, 1, 1, Status.NOT_ANALYSED, _failure(exc))]
+                continue
+            unbound_read = _unbound_read(facts, edits)
+            if unbound_read is not None:  # the edits would raise NameError at the default: none of them is made
+                own[facts, transform] = Edits()
+                transform.sites[before:] = [
+                    replace(s, status=Status.NOT_APPLICABLE, reason=unbound_read) if s.status is Status.APPLICABLE else s
+                    for s in transform.sites[before:]
+                ]
     used: dict[str, Knob] = {}
     per_file: list[tuple[ModuleFacts, Edits]] = []
     for facts in project.modules:
         edits = Edits()
-        per_file.append((facts, edits))
         for transform in instances:
-            if transform.entry_only and facts is not project.entry:
-                continue
-            before, asked = len(transform.sites), edits.runtime_calls
-            transform.apply(facts, edits)
-            applicable = any(s.status is Status.APPLICABLE for s in transform.sites[before:])
-            # a site already present can still be made a knob (the dtype of the script's own autocast)
-            if mode.gated and (applicable or edits.runtime_calls > asked):
-                used.update((k.name, k) for k in transform.knobs_read())
+            if transform not in failed and (facts, transform) in own:
+                edits.merge(own[facts, transform])
+        per_file.append((facts, edits))
+    for transform in instances:
+        # a site already present can still be made a knob (the dtype of the script's own autocast)
+        asked = any(e.runtime_calls for (_, t), e in own.items() if t is transform)
+        applicable = any(s.status is Status.APPLICABLE for s in transform.sites)
+        if mode.gated and transform not in failed and (applicable or asked):
+            used.update((k.name, k) for k in transform.knobs_read())
     # a trial times the loop wherever it lives, even when only the model's file changed (sdpa, checkpointing)
     if mode.gated and hooks and any(edits for _, edits in per_file):
         for facts, edits in per_file:
@@ -142,6 +168,30 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
         files.append(FileChange(facts, facts.path.relative_to(project.root), new_text))
     sites = tuple(s for t in instances for s in t.sites)
     return PatchResult(project, sites, tuple(files), tuple(sorted(used.values(), key=lambda k: k.name)))
+
+
+def _unbound_read(facts: ModuleFacts, edits: Edits) -> str | None:
+    """Why a statement ``edits`` inserts could raise NameError: a name it reads that some path leaves unbound."""
+    added = [s for group in (*edits.before.values(), *edits.after.values()) for s in group]
+    ours = {RUNTIME_ALIAS, *(m.split(".")[0] for m in edits.imports)}
+    for s in [*edits.top, *edits.post_imports, *added]:
+        ours |= statement_binds(s)
+    for placed, after in ((edits.before, False), (edits.after, True)):
+        for anchor, stmts in placed.items():
+            for s in stmts:
+                for name in statement_reads(s):
+                    if name not in ours and not is_bound(facts, anchor, name, after):
+                        # ast gives positions of calls and compound statements, not of a line as a whole
+                        line = facts.position(next(iter(facts.calls_in(anchor)), anchor))[0]
+                        return f"{name} is not bound on every path to {facts.display}:{line}, where the edit reads it"
+    return None
+
+
+def _failure(exc: Exception) -> str:
+    """Why a transform could not analyse a file: the exception and the line of autotune that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).parent.name}/{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where} (a bug in autotune; its sites are left as written)"
 
 
 def scan(project: Project, transforms: list[type[Transform]] | None = None) -> tuple[Site, ...]:
@@ -185,7 +235,8 @@ def _batch_name(loop: TrainingLoop) -> str | None:
 
 
 def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
-    """After the last optimizer step of each training step, ``_autotune.step(losses...)`` (a no-op outside trials)."""
+    """After the last optimizer step of each training step, ``_autotune.step(losses...)`` (a no-op outside trials),
+    once on whichever path the step takes; a loss or batch not bound on every path there is left out."""
     for loop in project.loops:
         scopes = [s for s in loop.scopes if s.module is facts and s.steps]
         if not scopes:
@@ -193,13 +244,78 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
         scope = scopes[-1]
         if any(facts.is_runtime_call(c, "step") for c in facts.calls_in(scope.owner)):
             continue  # already patched
-        last = max(scope.steps, key=lambda c: facts._enter[c])
-        anchor = facts.statement_of(last)
-        args = _hook_losses(facts, scope.loss_exprs())
-        batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
-        if batch is not None and batch not in args:
-            args.append(f"batch={batch}")
-        edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
+        losses = _hook_losses(facts, scope.loss_exprs())
+        for anchor in _hook_anchors(facts, scope):
+            args = [code for code in losses if not unbound(facts, anchor, code, after=True)]
+            batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
+            if batch is not None and batch not in args and not unbound(facts, anchor, batch, after=True):
+                args.append(f"batch={batch}")
+            edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
+
+
+def _hook_anchors(facts: ModuleFacts, scope: StepScope) -> list[cst.BaseStatement]:
+    """The statements after which a training step has ended, one on each path through the step."""
+    stepping = []
+    for call in scope.steps:
+        at = facts.statement_of(call)
+        for node in facts.ancestors(call):
+            if node is scope.owner:
+                break
+            if isinstance(node, (cst.For, cst.While)):
+                at = node  # a loop over optimizers: the step ends with the loop
+        stepping.append(at)
+    return _anchors_among(facts, stepping)
+
+
+def _anchors_among(facts: ModuleFacts, stepping: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+    """The last statement holding a step in the innermost block holding them all; an ``if`` whose every branch
+    steps counts as one (``scaler.step(opt)`` else ``opt.step()``), else each branch that steps gets its own."""
+    block = next(
+        b for b in facts.ancestors(stepping[0])
+        if isinstance(b, (cst.IndentedBlock, cst.SimpleStatementSuite, cst.Module)) and all(facts.contains(b, s) for s in stepping)
+    )
+    last = max((next(n for n in [s, *facts.ancestors(s)] if facts.parent(n) is block) for s in stepping), key=facts._enter.__getitem__)
+    if isinstance(last, cst.If) and last not in stepping and not _all_branches_step(facts, last, stepping):
+        return [a for b in _branches(last)[0] if (inside := [s for s in stepping if facts.contains(b, s)]) for a in _anchors_among(facts, inside)]
+    # the step in one branch, a hand-written update in the others (``else: p.data.add_(p.grad, alpha=-lr)``)
+    while True:
+        top = _chain_of(facts, last)
+        if top is None or not _all_branches_step(facts, top, [last]):
+            return [last]
+        last = top
+
+
+def _chain_of(facts: ModuleFacts, stmt: cst.BaseStatement) -> cst.If | None:
+    """The ``if`` statement (the head of its elif chain) one of whose branches holds ``stmt``."""
+    node = facts.parent(facts.parent(stmt))  # the block's owner
+    if isinstance(node, cst.Else):
+        node = facts.parent(node)
+    if not isinstance(node, cst.If):
+        return None
+    while isinstance(facts.parent(node), cst.If):
+        node = facts.parent(node)
+    return node
+
+
+def _all_branches_step(facts: ModuleFacts, node: cst.If, stepping: list[cst.BaseStatement]) -> bool:
+    branches, complete = _branches(node)
+    return complete and all(any(facts.contains(b, s) for s in stepping) or _updates_by_hand(facts, b) for b in branches)
+
+
+def _branches(node: cst.If) -> tuple[list[cst.BaseSuite], bool]:
+    """The blocks of an if/elif/else chain, and whether it ends in an ``else`` (some branch always runs)."""
+    out = [node.body]
+    while isinstance(node.orelse, cst.If):
+        node = node.orelse
+        out.append(node.body)
+    if node.orelse is None:
+        return out, False
+    return [*out, node.orelse.body], True
+
+
+def _updates_by_hand(facts: ModuleFacts, block: cst.CSTNode) -> bool:
+    """Whether a branch reads gradients (``p.data.add_(p.grad, alpha=-lr)``): a hand-written optimizer step."""
+    return any(n.attr.value == "grad" for n in facts.nodes_in(block, cst.Attribute))
 
 
 # --- applying edits ----------------------------------------------------------------------------------------

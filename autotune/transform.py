@@ -24,6 +24,7 @@ class Status(str, Enum):
     PRESENT = "already present"
     USER = "kept as written"
     NOT_APPLICABLE = "not applicable"
+    NOT_ANALYSED = "not analysed"  # the transform failed inside its own analysis of the file: nothing changed
 
     def __str__(self) -> str:
         return self.value
@@ -116,6 +117,19 @@ class Edits:
 
     def __bool__(self) -> bool:
         return bool(self.replace or self.before or self.after or self.wraps or self.top or self.post_imports)
+
+    def merge(self, other: Edits) -> None:
+        """Add ``other``'s edits after this one's, as if they had been registered here in that order."""
+        for mine, theirs in ((self.replace, other.replace), (self.before, other.before), (self.after, other.after)):
+            for node, items in theirs.items():
+                mine.setdefault(node, []).extend(items)
+        self.wraps.extend(other.wraps)
+        self.top.extend(other.top)
+        self.post_imports.extend(other.post_imports)
+        for module in other.imports:
+            self.require_import(module)
+        self.uses_runtime |= other.uses_runtime
+        self.runtime_calls += other.runtime_calls
 
 
 def stmt(code: str) -> cst.BaseStatement:

@@ -4,6 +4,10 @@ comments kept, and the knob table lists exactly the injected knobs."""
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
+import sys
 import tokenize
 from collections import Counter
 from pathlib import Path
@@ -13,6 +17,7 @@ import yaml
 
 from autotune.analysis import load_project
 from autotune.patch import run, select, write_outputs
+from autotune.transform import Status
 from loss_probe import run_probe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,3 +97,47 @@ def test_step_hook_lands_in_the_loop_file_when_only_the_model_file_changes():
     loop_file = loop.module.path.relative_to(project.root).as_posix()
     assert any("scaled_dot_product_attention" in text for text in changed.values())
     assert "_autotune.step(" in changed[loop_file]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=_id)
+def test_every_transform_analyses_every_file(script: Path):
+    failed = [s for s in run(load_project(script)).sites if s.status is Status.NOT_ANALYSED]
+    assert not failed, failed
+
+
+# script -> (arguments, what each trial loss is times the loss backward() saw): one backward() per step in each
+ONE_BACKWARD_PER_STEP = {
+    "amp_branches.py": [((), 1.0), (("--amp",), 65536.0)],  # GradScaler's initial scale: backward() sees loss * 2**16
+    "two_optimizers.py": [((), 1.0)],
+    "trainer_class.py": [((), 1.0)],
+    "rnn_optional_optimizer.py": [((), 1.0), (("--optimizer", "adamw"), 1.0)],
+    "gpt_moduledict.py": [((), 1.0)],
+}
+HOOK_CASES = [(name, args, factor) for name, runs in ONE_BACKWARD_PER_STEP.items() for args, factor in runs]
+
+
+def _trial(script: Path, args, tmp_path: Path, warmup: int, steps: int) -> dict:
+    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
+    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec)}
+    env.pop("AUTOTUNE_CONFIG", None)
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.exists(), proc.stderr[-2000:]
+    return json.loads(result.read_text())
+
+
+@pytest.mark.parametrize(("name", "args", "factor"), HOOK_CASES, ids=[f"{n}{''.join(a)}" for n, a, _ in HOOK_CASES])
+def test_step_hook_fires_once_per_step_on_the_path_that_runs(name: str, args, factor: float, patched, tmp_path: Path):
+    script = REPO / "fixtures/scripts" / name
+    original = run_probe(script, list(args), steps=STEPS, out=tmp_path / "orig.json", cwd=REPO)
+    result = _trial(patched[script], args, tmp_path, warmup=1, steps=STEPS - 1)
+    assert result["status"] == "ok" and result["steps_done"] == STEPS, result["error"]
+    # one hook per step, each after that step's backward(): the k-th trial loss is the k-th loss backward() saw
+    assert [[v * factor] for (v,) in result["losses"]] == [[float.fromhex(h)] for h in original]
+
+
+def test_step_hook_after_an_lbfgs_closure_reads_no_loss_and_counts_steps(patched, tmp_path: Path):
+    script = REPO / "fixtures/scripts/lbfgs.py"
+    assert "_autotune.step()" in patched[script].read_text()  # the closure's loss is not bound where the step ends
+    result = _trial(patched[script], (), tmp_path, warmup=1, steps=2)
+    assert result["status"] == "ok" and result["steps_done"] == 3, result["error"]

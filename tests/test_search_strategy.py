@@ -9,8 +9,6 @@ fake clock.
 from __future__ import annotations
 
 import itertools
-import json
-import math
 from pathlib import Path
 
 import pytest

@@ -60,13 +60,13 @@ def positional(call: cst.Call) -> list[cst.BaseExpression]:
     return [a.value for a in call.args if a.keyword is None and not a.star]
 
 
-def argument(call: cst.Call, index: int, name: str) -> cst.BaseExpression | None:
-    """The argument at ``index`` or named ``name``."""
+def argument(call: cst.Call, index: int | None, name: str) -> cst.BaseExpression | None:
+    """The argument at ``index`` (None: keyword only) or named ``name``."""
     for a in call.args:
         if a.keyword is not None and a.keyword.value == name:
             return a.value
     pos = [a for a in call.args if a.keyword is None]
-    if index < len(pos) and not pos[index].star:
+    if index is not None and 0 <= index < len(pos) and not pos[index].star:
         return pos[index].value
     return None
 
@@ -403,7 +403,7 @@ def dict_entry(facts: ModuleFacts, value: cst.BaseExpression, key: str) -> cst.B
         return None
     inner = value.args[0].value
     if isinstance(inner, cst.Call) and is_name(inner.func, "dict"):
-        return argument(inner, -1, key)
+        return argument(inner, None, key)
     if isinstance(inner, cst.Dict):
         for element in inner.elements:
             if isinstance(element, cst.DictElement) and isinstance(element.key, cst.SimpleString):

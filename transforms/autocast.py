@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from autotune.analysis import ModuleFacts, Project, TrainingLoop
+from autotune.analysis import ModuleFacts, Project, TrainingLoop, is_framework_backward
+from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, fresh_name, is_docstring, add_args, expr, is_literal, keyword, kwarg, stmt
 from autotune.transforms._model import assigned_names
@@ -274,16 +275,22 @@ class Autocast(Transform):
                 plan.scale.clear()
         else:
             # fp16 without a GradScaler in the script: autotune's own scales every backward of the loop
+            unbound_at: list[str] = []
             for scope in loop.scopes:
                 facts, plan = scope.module, work[scope.module]
                 steps = [c for c in scope.steps if not facts.is_runtime_call(c) and c not in plan.steps]
                 plan.steps.extend(steps)
                 plan.updates.extend(_last_steps(facts, scope, steps))
-                self._plan_clips(scope, plan)
-            if self.baking() and self._dtype() == "fp16" and not self._place_scaler(loop, work):
+                unbound_at.extend(self._plan_clips(scope, plan))
+            reason = None
+            if unbound_at:
+                reason = f"{unbound_at[0]}, where fp16 would unscale its gradients"
+            elif self.baking() and self._dtype() == "fp16" and not self._place_scaler(loop, work):
+                reason = "fp16 needs one GradScaler for backward() and step(), and they sit in different files"
+            if reason is not None:
+                work = {f: _Plan() for f in work}
                 for scope, call in backwards:
-                    reason = "fp16 needs one GradScaler for backward() and step(), and they sit in different files"
-                    work[scope.module] = _Plan(reports=[(call, Status.NOT_APPLICABLE, reason)])
+                    work[scope.module].reports.append((call, Status.NOT_APPLICABLE, reason))
         for facts, plan in work.items():
             target = plans[facts]
             target.reports.extend(plan.reports)
@@ -297,10 +304,12 @@ class Autocast(Transform):
             target.scaler_at_top |= plan.scaler_at_top
 
     @staticmethod
-    def _plan_clips(scope, plan: _Plan) -> None:
-        """Under fp16, gradients are unscaled before clipping, for the optimizer whose step follows the clip."""
+    def _plan_clips(scope, plan: _Plan) -> list[str]:
+        """Under fp16, gradients are unscaled before clipping, for the optimizer whose step follows the clip; says
+        where that optimizer is not bound on every path to the clip."""
         facts = scope.module
         order = facts._enter
+        unbound_at = []
         for clip in facts.calls_in(scope.owner):
             if facts.qualname(clip.func) not in CLIP:
                 continue
@@ -312,7 +321,11 @@ class Autocast(Transform):
                 reason = "no optimizer step follows this clipping in its scope: under fp16 it clips scaled gradients"
                 plan.reports.append((clip, Status.NOT_APPLICABLE, reason))
                 continue
-            plan.unscale.append((clip_stmt, _optimizer_of(facts, later[0])))
+            opt = _optimizer_of(facts, later[0])
+            if unbound(facts, clip_stmt, opt):  # ``if args.optimizer: optimizer = ...`` else a hand-written update
+                unbound_at.append(f"{opt} is not bound on every path to the clipping at {facts.display}:{facts.position(clip)[0]}")
+            plan.unscale.append((clip_stmt, opt))
+        return unbound_at
 
     def _place_scaler(self, loop: TrainingLoop, work: dict[ModuleFacts, _Plan]) -> bool:
         """Bake: create the scaler before the loop, or after the imports of the one file that uses it.
@@ -576,6 +589,8 @@ def _blocker(project: Project, loop: TrainingLoop) -> str | None:
         for call in scope.backward:
             if facts.qualname(call.func) in ("torch.autograd.backward", "torch.backward"):
                 return f"{facts.code(call.func)}() is not a loss.backward() a GradScaler can scale"
+            if is_framework_backward(facts, call):
+                return f"{facts.code(call.func)}(loss): the library runs backward and mixed precision itself"
         for call in scope.steps:
             recv = call.func.value if isinstance(call.func, cst.Attribute) else None
             if call.args and recv is not None and project.is_optimizer_expr(facts, recv):

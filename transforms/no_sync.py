@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from autotune.analysis import ModuleFacts, StepScope
+from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, is_docstring, expr
 from autotune.transforms._dist import Wrapped, assigned_chains, chains, conflicts, ddp_models
@@ -85,6 +86,11 @@ class NoSync(Transform):
         region = self._region(facts, scope, call, models)
         if isinstance(region, str):
             self.report(facts, call, Status.NOT_APPLICABLE, region)
+            return
+        missing = unbound(facts, region.stmts[0], f"({region.model}, {region.final_code})")
+        if missing:
+            reason = f"{', '.join(missing)} not bound on every path to the forward, where no_sync() would read it"
+            self.report(facts, call, Status.NOT_APPLICABLE, reason)
             return
         self.report(
             facts, call, Status.APPLICABLE, f"forward and backward() under {region.model}.no_sync() unless {region.final_code}"
