@@ -17,6 +17,7 @@ from autotune.analysis import (
     ModuleFacts,
     Project,
     TrainingLoop,
+    deep,
     load_project,
     no_gc,
     source_lines,
@@ -39,7 +40,7 @@ class FileChange:
 
     @property
     def changed(self) -> bool:
-        return self.new_text != self.facts.source
+        return self.new_text != self.facts.text
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class PatchResult:
             if f.changed:
                 chunks.extend(
                     difflib.unified_diff(
-                        source_lines(f.facts.source, keepends=True),
+                        source_lines(f.facts.text, keepends=True),
                         source_lines(f.new_text, keepends=True),
                         f"{old_prefix}{f.rel.as_posix()}",
                         f"{new_prefix}{f.rel.as_posix()}",
@@ -90,6 +91,10 @@ def run(
 
     ``hooks=False`` leaves out the trial step hook, so a transform's fixture shows only its own edits.
     """
+    return deep(_run_no_gc, project, transforms, mode, hooks)
+
+
+def _run_no_gc(project: Project, transforms: list[type[Transform]] | None, mode: Mode, hooks: bool) -> PatchResult:
     with no_gc():
         return _run(project, transforms, mode, hooks)
 
@@ -121,7 +126,8 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
     files = []
     for facts, edits in per_file:
         new_text, check = _code(facts, _apply(facts, edits)) if edits else (facts.source, facts.source)
-        if new_text != facts.source:
+        new_text = facts.bom + new_text  # Python runs a file with a BOM: the copy keeps it
+        if new_text != facts.text:
             try:
                 compile(check, facts.display, "exec")
             except SyntaxError as exc:  # a transform bug, never the user's: say which file and line
