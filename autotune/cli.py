@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,17 @@ class _Parser(argparse.ArgumentParser):
             self.error(f"unrecognized arguments: {' '.join(extra)} (arguments for the script go after --)")
         ns.script_args = args[cut + 1 :]
         return ns, extra
+
+
+def _finite(text: str) -> float:
+    """A float argument that is a number: nan and inf are refused (a nan timeout never fires)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+_finite.__name__ = "finite number"  # argparse says "invalid finite number value: 'nan'"
 
 
 def _split_list(value: str | None) -> list[str]:
@@ -248,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("path")
     search.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
     search.add_argument("--trials", type=int, default=20, help="configurations to measure, baseline included (default 20)")
-    search.add_argument("--time-budget", type=float, metavar="S", help="stop starting trials after S seconds")
+    search.add_argument("--time-budget", type=_finite, metavar="S", help="stop starting trials after S seconds")
     search.add_argument("--steps", type=int, default=20, help="measured training steps per trial (default 20)")
     search.add_argument("--warmup", type=int, default=5, help="warm-up steps before the measured ones (default 5)")
     search.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to tune for")
@@ -257,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument("--study-name", metavar="NAME", help="study name (default: script name + fingerprint)")
     search.add_argument("--space", metavar="FILE", help="search space YAML (default: the bundled one for the device)")
-    search.add_argument("--rtol", type=float, metavar="X", help="relative loss tolerance for every non-default knob")
-    search.add_argument("--timeout", type=float, metavar="S", help="seconds before a trial is killed (default: auto)")
+    search.add_argument("--rtol", type=_finite, metavar="X", help="relative loss tolerance for every non-default knob")
+    search.add_argument("--timeout", type=_finite, metavar="S", help="seconds before a trial is killed (default: auto)")
     search.add_argument("--confirm", type=int, default=5, metavar="N", help="A/B pairs that confirm the winner (default 5)")
     search.add_argument(
         "--launcher",

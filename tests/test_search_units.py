@@ -54,8 +54,13 @@ def test_bundled_cpu_space_leaves_out_cuda_only_knobs():
         ("knobs:\n  gc.freeze: [false, maybe]\n", "has no choice 'maybe'"),
         ("knobs:\n  gc.freeze: [false, true]\nothers: some\n", "'others' must be"),
         ("knobs:\n  gc.freeze: [false, true]\nextra: 1\n", "expected 'knobs:'"),
+        ("knobs:\n  dataloader.num_workers: [0, 2.0]\n", "has no choice 2.0 (float;"),
+        ("knobs:\n  dataloader.num_workers: [0, true]\n", "has no choice True (bool;"),
+        ("knobs:\n  compile.dynamic: [default, 1]\n", "has no choice 1 (int;"),
+        ("knobs:\n  gc.freeze: [false, true]\nothers: [all]\n", "'others' must be"),
     ],
-    ids=["yaml", "not-a-mapping", "unknown-knob", "empty", "not-a-list", "bad-choice", "bad-others", "extra-key"],
+    ids=["yaml", "not-a-mapping", "unknown-knob", "empty", "not-a-list", "bad-choice", "bad-others", "extra-key",
+         "float-for-int", "bool-for-int", "int-for-bool", "others-not-a-string"],
 )
 def test_bad_space_file_is_one_line_usage_error(text, message):
     with pytest.raises(UsageError) as err:
@@ -270,7 +275,7 @@ def test_search_bad_space_file(capsys, tmp_path):
     assert rc == 2 and len(err.splitlines()) == 1
     assert f"{space}: knob 'gc.freeze' has no choice 'sometimes'" in err
     rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "out"), "--space", str(tmp_path / "nope.yaml")], capsys)
-    assert rc == 2 and "cannot read the search space" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "nope.yaml: no such file" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 
@@ -399,3 +404,45 @@ def test_the_plot_compares_each_run_with_its_own_machines_baseline():
     assert data.points["baseline"] == [(0, pytest.approx(1.0)), (1, pytest.approx(1.0))]
     assert data.points["ok"] == [(2, pytest.approx(2.0)), (3, pytest.approx(1.25))]
     assert data.points["diverged"] == [(4, pytest.approx(1.0))]
+
+
+def test_space_choices_are_the_declared_objects():
+    space = parse_space("knobs:\n  compile.dynamic: [default, true, true]\n", "space.yaml")
+    declared = all_knobs()["compile.dynamic"].choices
+    assert space.choices["compile.dynamic"] == ("default", True)
+    assert all(any(c is d for d in declared) for c in space.choices["compile.dynamic"])
+
+
+@pytest.mark.parametrize(
+    "choices",
+    [["none", 'default"); import os; os.system("id'], ["none", 1.0], "none"],
+    ids=["code", "wrong-type", "not-a-list"],
+)
+def test_a_study_space_is_checked_like_a_space_file(choices):
+    # the search space a study stores is read back by autotune report: anyone who can write to the study can edit it
+    from autotune.search.space import restore_space
+
+    knobs = [all_knobs()["compile.mode"]]
+    with pytest.raises(UsageError, match="the study's search space"):
+        restore_space(knobs, "cpu", {"compile.mode": choices}, {})
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--time-budget", "--rtol"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_number_that_is_not_finite_is_refused(option, value, tmp_path, capsys):
+    tiny = Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py"
+    assert main(["search", str(tiny), f"{option}={value}", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"autotune: error: argument {option}: invalid finite number value: '{value}'"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field", ["timeout", "time_budget"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_search_refuses_a_time_that_is_not_finite(field, value, tmp_path):
+    from autotune.search.search import Search, SearchOptions
+
+    tiny = Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py"
+    options = SearchOptions(script=tiny, out=tmp_path / "out", **{field: value})
+    with pytest.raises(UsageError, match="must be a positive number of seconds"):
+        Search(options, display=None)
