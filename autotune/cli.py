@@ -52,13 +52,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _finite(text: str) -> float:
     """A float argument that is a number: nan and inf are refused (a nan timeout never fires)."""
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
     if not math.isfinite(value):
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
     return value
-
-
-_finite.__name__ = "finite number"  # argparse says "invalid finite number value: 'nan'"
 
 
 def _split_list(value: str | None) -> list[str]:

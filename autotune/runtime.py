@@ -4,7 +4,9 @@ Standard library and PyYAML only; torch is imported lazily, inside the helpers t
 module costs nothing measurable and never initialises CUDA.
 
 Knob values come from the YAML file named by ``AUTOTUNE_CONFIG`` or, without it, ``autotune.yaml`` beside the
-script. With neither, every knob takes its default and the patched script behaves exactly like the original.
+script. With neither, every knob takes its default and the patched script behaves exactly like the original. With
+one, each value is checked against every knob autotune declares, which imports the transforms (libcst) once, as
+the first knob is read (about 0.15 s).
 """
 
 from __future__ import annotations

@@ -433,7 +433,7 @@ def test_a_number_that_is_not_finite_is_refused(option, value, tmp_path, capsys)
     tiny = Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py"
     assert main(["search", str(tiny), f"{option}={value}", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"autotune: error: argument {option}: invalid finite number value: '{value}'"
+    assert err == f"autotune: error: argument {option}: expected a finite number, not '{value}'"
     assert not (tmp_path / "out").exists()
 
 

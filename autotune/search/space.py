@@ -48,7 +48,9 @@ def parse_space(text: str, where: str, strict: bool = True) -> SpaceFile:
         raise UsageError(f"{where}: expected 'knobs:' (knob name -> list of choices) and optionally 'others: default|all'")
     others = doc.get("others", "default")
     if type(others) is not str or others not in ("default", "all"):
-        raise UsageError(f"{where}: 'others' must be default (unlisted knobs keep their default) or all, not {shown(others)}")
+        raise UsageError(
+            f"{where}: 'others' must be default (unlisted knobs keep their default) or all, not {shown(others)}"
+        )
     known = all_knobs()
     out: dict[str, tuple[Any, ...]] = {}
     for name, choices in doc["knobs"].items():
