@@ -446,3 +446,30 @@ def test_search_refuses_a_time_that_is_not_finite(field, value, tmp_path):
     options = SearchOptions(script=tiny, out=tmp_path / "out", **{field: value})
     with pytest.raises(UsageError, match="must be a positive number of seconds"):
         Search(options, display=None)
+
+
+def test_report_refuses_a_study_whose_space_was_edited_to_hold_code(tmp_path, capsys):
+    # anyone who can write to a shared study's storage can edit what it says was searched
+    from autotune.search.live import QuietDisplay
+    from autotune.search.search import Search, SearchOptions, fingerprint
+    from autotune.search.space import SearchSpace
+    from autotune.search.study import STUDY_ABOUT, STUDY_FINGERPRINT, StudyStore, open_storage
+
+    script = tmp_path / "train.py"
+    script.write_text((Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py").read_text())
+    space = tmp_path / "space.yaml"
+    space.write_text("knobs: {compile.mode: [none, default]}\n")
+    search = Search(SearchOptions(script=script, out=tmp_path / "out", space=space, study_name="s"), QuietDisplay())
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    store = StudyStore(open_storage(url), "s", machine="m (cpu)")
+    store.adopt(search.fingerprint, search.space, search.about())
+    evil = ("none", 'default"); import os; os.system("id')
+    about = {**store.study.user_attrs[STUDY_ABOUT], "space": {"compile.mode": list(evil)}}
+    store.study.set_user_attr(STUDY_ABOUT, about)
+    # and the fingerprint made to match, so the edit is not taken for a changed script
+    edited = SearchSpace("cpu", search.space.knobs, {"compile.mode": evil}, search.space.left_out)
+    store.study.set_user_attr(STUDY_FINGERPRINT, fingerprint(search.patch, search.o, "cpu", edited))
+    assert main(["report", "--storage", url, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autotune: error: the study's search space: knob 'compile.mode' has no choice 'default\")")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "r").exists()
