@@ -197,6 +197,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         timeout=args.timeout,
         confirm=args.confirm,
         launcher=args.launcher,
+        train_steps=args.train_steps,
     )
     outcome = run_search(options, SearchDisplay(console))
     print_summary(outcome, write_outputs(outcome), console)
@@ -247,8 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument("path")
     search.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
-    search.add_argument("--trials", type=int, default=20, help="configurations to measure, baseline included (default 20)")
-    search.add_argument("--time-budget", type=float, metavar="S", help="stop starting trials after S seconds")
+    search.add_argument(
+        "--trials", type=int, metavar="N",
+        help="at most N distinct configurations, baseline included; past the descent's end the sampler adds more",
+    )
+    search.add_argument(
+        "--time-budget", type=float, metavar="S",
+        help="seconds for the whole command, confirmation included (default 900 when --trials is not given either)",
+    )
+    search.add_argument(
+        "--train-steps", type=int, metavar="N",
+        help="your real run's length in steps: rank by time to train N steps, compile time included",
+    )
     search.add_argument("--steps", type=int, default=20, help="measured training steps per trial (default 20)")
     search.add_argument("--warmup", type=int, default=5, help="warm-up steps before the measured ones (default 5)")
     search.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to tune for")

@@ -73,7 +73,8 @@ def test_search_end_to_end(tmp_path):
     assert doc["winner"] in ("tuned", "baseline")
     assert doc["throughput"]["baseline"]["steps_per_s"] > 0 and doc["throughput"]["baseline"]["samples_per_s"] is None
     assert doc["noise"]["deterministic"] is True  # the fixture is seeded: bit-identical losses run to run
-    assert doc["search"]["mode"] == "enumerated" and doc["search"]["configurations_measured"] == 4
+    assert doc["search"]["mode"] == "descent" and doc["search"]["configurations_measured"] == 4
+    assert doc["search"]["path"][0] == "start: fused_optimizer.impl=foreach, gc.freeze=true"
     import torch
 
     assert doc["versions"]["torch"] == str(torch.__version__)
@@ -117,8 +118,8 @@ def test_each_failure_is_typed_and_the_search_finishes(tmp_path):
         },
     )
     out = tmp_path / "out"
-    # 5 configurations: the baseline and each knob alone, tried first in a space of 16
-    cmd = ["search", FAILURES, "--out", out, "--space", space, "--study-name", "f", "--trials", "5", "--timeout", "40"]
+    # the start (every knob on) fails; bisection blames each knob in turn, measuring each one alone on the way
+    cmd = ["search", FAILURES, "--out", out, "--space", space, "--study-name", "f", "--time-budget", "600", "--timeout", "40"]
     run = autotune([*cmd, *SMALL, "--", "--iters", "10"], tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
 
@@ -140,7 +141,11 @@ def test_each_failure_is_typed_and_the_search_finishes(tmp_path):
 
     doc = yaml.safe_load((out / "autotune.yaml").read_text())
     assert doc["winner"] == "baseline" and doc["changed"] == {}
-    assert "no other configuration finished" in doc["verdict"]
+    assert "configurations tried finished and passed the loss gate" in doc["verdict"]
+    blamed = {b["knob"]: b["reason"] for b in doc["search"]["blamed"]}
+    assert set(blamed) == set(by_knob)
+    assert blamed["autocast.dtype"].startswith("nan") and blamed["gc.freeze"].startswith("timeout")
+    assert blamed["channels_last.enabled"].startswith("crash") and blamed["fused_optimizer.impl"].startswith("oom")
     report = (out / "report.md").read_text()
     for status in ("crash", "nan", "oom", "timeout"):
         assert f"| {status} |" in report

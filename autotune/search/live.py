@@ -7,9 +7,14 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+import shlex
+import time
+
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 from rich.table import Table
 
+from autotune.search.strategy import label
 from autotune.search.trial import Outcome, TrialResult
 
 STATUS_STYLE = {
@@ -47,6 +52,22 @@ def dev_text(r: TrialResult) -> str:
     return f"{r.deviation:.1e}" if r.deviation else "0"
 
 
+def duration(s: float) -> str:
+    s = max(s, 0.0)
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+class _BudgetColumn(ProgressColumn):
+    """The time left in the search's budget, read from its clock at each refresh, so it runs during a trial."""
+
+    def __init__(self, display: "SearchDisplay") -> None:
+        super().__init__()
+        self.display = display
+
+    def render(self, task) -> Text:
+        return Text(self.display.clock_text(), style="progress.remaining")
+
+
 class SearchDisplay:
     """Progress of a search on ``console``: live on a terminal, plain lines in a log."""
 
@@ -60,28 +81,53 @@ class SearchDisplay:
             SpinnerColumn(),
             TextColumn("{task.description}"),
             BarColumn(),
-            MofNCompleteColumn(),
             TimeElapsedColumn(),
+            _BudgetColumn(self),
             console=console,
         )
         self.task = None
         self.search = None
+        self.phase = ""
+
+    def clock_text(self) -> str:
+        """Runs so far and the time left in the budget (the search ends by then, confirmation included)."""
+        s = self.search
+        if s is None:
+            return ""
+        runs = f"{len(s.results)} runs"
+        if s.o.budget:
+            return f"{runs}, {duration(s._time_left())} of {duration(s.o.budget)} left"
+        target = s.target()
+        return f"{runs}, {len(s.measured())} of {target} configurations" if target else runs
 
     def begin(self, search) -> None:
         self.search = search
         self.defaults = search.space.baseline()
         space = search.space
-        done = len(search.measured())
+        o = search.o
         knobs = ", ".join(f"{k.name} ({len(space.choices[k.name])})" for k in space.knobs)
+        budget = []
+        if o.budget:
+            budget.append(f"time budget {duration(o.budget)}" + ("" if o.time_budget else " (the default)"))
+        if o.trials:
+            budget.append(f"at most {o.trials} configurations")
         self.console.print(
             f"[bold]autotune search[/] {search.o.script} on {search.device}: {len(space.knobs)} knobs, "
-            f"{space.size} configurations, {search.mode} up to {search.target()}"
-            + (f" within {search.o.time_budget:.0f}s" if search.o.time_budget else ""),
+            f"{space.size} configurations; {search.strategy.name}; {', '.join(budget)}",
+            soft_wrap=True,
+        )
+        self.console.print(
+            f"  each run: {shlex.join(['python', str(o.script), *o.args])}: {o.warmup} warm-up + {o.steps} measured "
+            f"steps; confirmation: at least {o.confirm} A/B pairs"
+            + (f"; objective: time to train {o.train_steps} steps, compile included" if o.train_steps else ""),
+            markup=False,
             soft_wrap=True,
         )
         self.console.print(f"  knobs: {knobs}", markup=False, soft_wrap=True)
-        if search.o.launcher:
-            self.console.print(f"  each trial runs under: {search.o.launcher}", markup=False, soft_wrap=True)
+        start = label(search.strategy.start, space)
+        self.console.print(f"  starts from: {start}", markup=False, soft_wrap=True)
+        if o.launcher:
+            self.console.print(f"  each trial runs under: {o.launcher}", markup=False, soft_wrap=True)
         self.console.print(f"  machine: {search.machine.key}", markup=False, soft_wrap=True)
         if search.results:
             others = sum(r.machine != search.machine.key for r in search.results)
@@ -91,10 +137,18 @@ class SearchDisplay:
                 markup=False,
                 soft_wrap=True,
             )
-        self.task = self.progress.add_task("configurations", total=search.target(), completed=min(done, search.target()))
+        self.started = time.monotonic()
+        self.task = self.progress.add_task("starting", total=o.budget or search.target() or None)
         if self.live_mode:
             self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
             self.live.start()
+
+    def _tick(self, description: str) -> None:
+        s = self.search
+        if self.task is None or s is None:
+            return
+        done = (s.o.budget - s._time_left()) if s.o.budget else len(s.measured())
+        self.progress.update(self.task, description=description, completed=done)
 
     def _render(self):
         table = Table(title=None, expand=False)
@@ -104,34 +158,47 @@ class SearchDisplay:
             table.add_row(*row)
         return Group(self.progress, table)
 
+    def label(self, config: Mapping[str, Any]) -> str:
+        """A configuration by the knobs that change the program (compile.scope without compile is no change)."""
+        if self.search is not None:
+            return label(self.search.canonical(config), self.search.space)
+        return changed_text(config, self.defaults)
+
     def trial_started(self, config: Mapping[str, Any], role: str) -> None:
-        if self.task is not None:
-            self.progress.update(self.task, description=f"{role}: {changed_text(config, self.defaults)}")
+        if role != "confirm":
+            self._tick(f"{role}: {self.label(config)}")
+
+    def confirming(self, which: tuple[int, int], pair: int, pairs: int, arm: str) -> None:
+        more = "" if pair <= self.search.o.confirm else "up to "
+        text = f"confirming candidate {which[0]} of {which[1]}: pair {pair} of {more}{pairs}, {arm} run"
+        self._tick(text)
+        if self.live is None:
+            self.console.print(f"  {text}", markup=False, highlight=False)
 
     def trial_finished(self, r: TrialResult, speedup: float | None) -> None:
         style = STATUS_STYLE.get(r.status, "red")
         status = f"[{style}]{r.status}[/]"
         thr = f"{r.throughput:.2f}" if r.throughput else "-"
+        name = self.label(r.config)
         row = (
             str(r.number),
-            r.role,
-            changed_text(r.config, self.defaults),
+            r.role + (f" ({r.attrs['phase']})" if r.attrs.get("phase") else ""),
+            name,
             status,
             thr,
-            speed_text(speedup) if changed_text(r.config, self.defaults) != "baseline" else "",
+            speed_text(speedup) if name != "baseline" else "",
             dev_text(r),
             mib(r.peak_memory),
         )
         self.rows.append(row)
-        if self.task is not None and self.search is not None:
-            self.progress.update(self.task, completed=min(len(self.search.measured()), self.search.target()))
+        self._tick(self.progress.tasks[0].description if self.progress.tasks else "")
         if self.live is not None:
             self.live.update(self._render())
         else:
             why = f"  ({r.error})" if r.error and r.status is not Outcome.OK else ""
             self.console.print(
-                f"  #{row[0]:>3} {r.role:<8} {row[2]:<40} {r.status!s:<13} {thr:>8} steps/s "
-                f"{row[5]:>7}  dev {row[6]:<7} {row[7]}{why}",
+                f"  #{row[0]:>3} {row[1]:<17} {row[2]:<40} {r.status!s:<13} {thr:>8} steps/s "
+                f"{row[5]:>7}  dev {row[6]:<7} {row[7]}{why}  [{self.clock_text()}]",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,
@@ -158,5 +225,6 @@ class QuietDisplay:
     def begin(self, search) -> None: ...
     def trial_started(self, config, role) -> None: ...
     def trial_finished(self, result, speedup) -> None: ...
+    def confirming(self, which, pair, pairs, arm) -> None: ...
     def note(self, text) -> None: ...
     def end(self) -> None: ...

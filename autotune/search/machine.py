@@ -46,6 +46,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): elsewhere bf16 autocast is emulated and slow."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() == "arm64"  # Apple silicon (M2 and later have bf16); other systems: assume not
+    flags = set(text.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})  # ("bf16": the Arm feature name)
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

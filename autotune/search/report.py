@@ -17,7 +17,7 @@ from autotune.bake import DIFF_NAME, bake, write_baked
 from autotune.patch import CONFIG_NAME
 from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
-from autotune.search.search import SearchOutcome
+from autotune.search.search import SearchOutcome, train_time
 from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
@@ -103,6 +103,9 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
             "speedup": _r(win.speedup) if win else 1.0,
             "speedup_spread": [_r(x) for x in win.spread] if win and win.spread else None,
             "confirmation_pairs": len(win.ratios) if win else (len(best.ratios) if best else 0),
+            "confidence": _confidence(win or best),
+            "warning": o.noisy,
+            "startup": o.startup,
             "max_loss_deviation": _r(max_dev, 3),
             "loss_tolerance": _r(tol, 3),
             "noise": {
@@ -115,6 +118,12 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
                 "study": o.study_name,
                 "storage": o.storage,
                 "mode": o.mode,
+                "strategy": "strong start + descent",
+                "path": [s.text for s in o.plan.path] if o.plan else [],
+                "blamed": [{"knob": b.knob, "value": b.value, "reason": b.reason} for b in o.plan.blamed] if o.plan else [],
+                "interactions": list(o.interactions),
+                "time_budget_s": o.options.budget,
+                "confirmation_reserved_s": _r(o.reserved_s),
                 "space_size": o.space.size,
                 "configurations_measured": len({_key(r.config) for r in o.results if r.role != ROLE_CONFIRM}),
                 "runs": len(o.results),
@@ -130,6 +139,20 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
     return doc
 
 
+def _confidence(c) -> dict[str, Any] | None:
+    """The A/B verdict's statistics: pairs won, the sign test's p-value, an interval for the median speedup."""
+    if c is None or not c.ratios:
+        return None
+    low, high, cover = c.interval
+    return {
+        "pairs": len(c.ratios),
+        "wins": c.wins,
+        "sign_test_p": _r(c.p_value, 3),
+        "median_interval": [_r(low), _r(high)],
+        "interval_coverage": _r(cover, 3),
+    }
+
+
 def _key(config: Mapping[str, Any]) -> tuple:
     return tuple(sorted(config.items()))
 
@@ -138,9 +161,12 @@ def _baseline_reason(o: SearchOutcome) -> str:
     if o.confirmations:
         c = o.confirmations[0]
         return f"the baseline wins: best candidate ({changed_text(c.config, o.space.baseline())}) {c.reason}"
-    ok = [r for r in o.results if r.role != ROLE_BASELINE and r.status is Outcome.OK]
+    tried = [r for r in o.results if r.role == ROLE_SEARCH]
+    if not tried:
+        return f"the baseline wins: no other configuration was tried ({o.stopped})"
+    ok = [r for r in tried if r.status is Outcome.OK]
     if not ok:
-        return "the baseline wins: no other configuration finished and passed the loss gate"
+        return f"the baseline wins: none of the {len(tried)} configurations tried finished and passed the loss gate"
     faster = [r for r in ok if r.role == ROLE_SEARCH and o.speedups.get(r.number, 0.0) > 1.0]
     if faster:  # a study reported before any worker got to its confirmation
         best = max(faster, key=lambda r: o.speedups[r.number])
@@ -186,15 +212,20 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
     lines = [f"# autotune search: `{o.project.entry.display}`", ""]
     if o.winner:
         w = o.winner
-        lo, hi = w.spread
+        low, high, cover = w.interval
         lines.append(
-            f"**Tuned:** `{changed_text(w.config, defaults)}` is **{w.speedup:.3f}x** the baseline's throughput "
-            f"(from {lo:.3f}x to {hi:.3f}x over {len(w.ratios)} interleaved A/B pairs; {w.reason}); "
+            f"**Tuned:** `{changed_text(w.config, defaults)}` is **{w.speedup:.2f}x** the baseline's speed "
+            f"({100 * cover:.0f}% confidence interval {low:.2f}x to {high:.2f}x; faster in {w.wins} of {len(w.ratios)} "
+            f"interleaved A/B pairs, sign test p = {w.p_value:.3f}); "
             f"largest loss deviation {_fmt(doc['max_loss_deviation'])} (tolerance {_fmt(doc['loss_tolerance'])})."
         )
+        if o.startup:
+            lines.append(f"It has a one-time cost: {o.startup}.")
     else:
         lines.append(f"**The baseline wins:** {doc['verdict'].removeprefix('the baseline wins: ')}. "
                      "The tuned script is the original, unchanged.")
+    if o.noisy:
+        lines += ["", f"> **Warning:** {o.noisy}."]
     thr = doc["throughput"]
     lines += [
         "",
@@ -222,6 +253,11 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         f"{o.options.warmup} warm-up + {o.options.steps} measured steps per run",
         f"- Study: `{o.study_name}` in `{o.storage}` (run the same command again to resume or extend it)",
     ]
+    if o.hidden:
+        lines.append(
+            f"- {o.hidden} sampler proposal(s) repeated a configuration already measured: told its result, not run "
+            "again, and not listed below"
+        )
     several = len(o.machines) > 1
     if several:
         runs = ", ".join(f"{m} ({n} runs)" for m, n in doc["search"]["machines"].items())
@@ -229,16 +265,26 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
             f"- Machines: {runs}. Each run is compared only with baseline runs of its own machine (speedups, loss "
             f"gate, noise); the throughputs, noise and confirmation above are those of {o.machine}"
         )
+    if o.plan and o.plan.path:
+        lines += ["", "## How the search got there", ""]
+        lines += [f"{i}. {_cell(s.text)}" + (f" ({s.speedup:.2f}x)" if s.speedup and s.phase in ("start", "accept") else "")
+                  for i, s in enumerate(o.plan.path, 1)]
+    if o.interactions:
+        lines += ["", "What each knob of the tuned configuration is worth (speedups of single search runs):", ""]
+        lines += [f"- `{_cell(x.split(': ', 1)[0])}`: {_cell(x.split(': ', 1)[1])}" for x in o.interactions]
     lines += [
         "",
         "## Trials",
         "",
-        "Speedup: steps/s over the mean of the same machine's baseline runs just before and after the trial. "
+        "Speedup: the run's speed over the median of the same machine's last 3 baseline runs when it finished (the "
+        "live display showed the same number); the verdict above comes from the A/B pairs instead. "
+        "Start-up: the run's one-time cost before it trains at its measured speed (compilation, autotuning, data "
+        "set-up): its warm-up time less its warm-up steps at that speed. "
         "Loss deviation: largest relative difference of any step's loss from the machine's first baseline run.",
         "",
-        "| # | role | configuration | status | steps/s | samples/s | speedup | loss deviation | peak memory | note |"
+        "| # | role | configuration | status | steps/s | samples/s | speedup | start-up | loss deviation | peak memory | note |"
         + (" machine |" if several else ""),
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---|" + ("---|" if several else ""),
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|" + ("---|" if several else ""),
     ]
     for r in o.results:
         note = ""
@@ -246,6 +292,8 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
             note = r.error or stderr_summary(r.stderr_tail)
         if r.role == ROLE_CONFIRM:
             note = f"pair {r.attrs.get('pair', 0) + 1}, {r.attrs.get('arm')}" + (f"; {note}" if note else "")
+        elif r.attrs.get("why"):
+            note = str(r.attrs["why"]) + (f"; {note}" if note else "")
         lines.append(
             "| "
             + " | ".join(
@@ -253,11 +301,12 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
                 for x in (
                     str(r.number),
                     r.role,
-                    f"`{changed_text(r.config, defaults)}`",
+                    f"`{o.labels.get(r.number) or changed_text(r.config, defaults)}`",
                     str(r.status),
                     f"{r.throughput:.2f}" if r.throughput else "-",
                     f"{r.samples_per_s:.0f}" if r.samples_per_s else "-",
                     speed_text(o.speedups.get(r.number)) if r.number in o.speedups else "",
+                    f"{train_time(r, 0, o.options.warmup):.1f}s" if r.measured and r.warmup_s is not None else "-",
                     dev_text(r) + (f" (tol {r.tolerance:.1e})" if r.tolerance else ""),
                     mib(r.peak_memory),
                     note,
@@ -271,7 +320,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
             "",
             "## Confirmation",
             "",
-            "| candidate | search speedup | A/B ratios | verdict |" + (" machine |" if several else ""),
+            "| candidate | search speedup | A/B ratios (candidate / baseline) | verdict |" + (" machine |" if several else ""),
             "|---|---:|---|---|" + ("---|" if several else ""),
         ]
         for c in o.confirmations:
@@ -400,15 +449,19 @@ def print_summary(o: SearchOutcome, w: Written, console) -> None:
     """The short summary at the end of a search."""
     defaults = o.space.baseline()
     if o.winner:
-        lo, hi = o.winner.spread
+        w = o.winner
+        low, high, cover = w.interval
         console.print(
-            f"[bold green]tuned:[/] {changed_text(o.winner.config, defaults)}: "
-            f"[bold]{o.winner.speedup:.3f}x[/] the baseline ({lo:.3f}x..{hi:.3f}x over {len(o.winner.ratios)} A/B pairs)",
+            f"[bold green]tuned:[/] {changed_text(w.config, defaults)}: [bold]{w.speedup:.2f}x[/] the baseline "
+            f"({100 * cover:.0f}% interval {low:.2f}x..{high:.2f}x; faster in {w.wins} of {len(w.ratios)} A/B pairs, "
+            f"p = {w.p_value:.3f})",
             highlight=False,
             soft_wrap=True,
         )
     else:
         console.print(f"[bold yellow]{_baseline_reason(o)}[/]", highlight=False, soft_wrap=True)
+    if o.noisy:
+        console.print(f"[yellow]warning: {o.noisy}[/]", highlight=False, soft_wrap=True)
     counts: dict[str, int] = {}
     for r in o.results:
         counts[str(r.status)] = counts.get(str(r.status), 0) + 1

@@ -21,8 +21,9 @@ from autotune.bake import bake, check_out_dir
 from autotune.patch import PatchResult, run, select
 from autotune.search.gate import Noise, judge, measure_noise
 from autotune.search.live import QuietDisplay
-from autotune.search.machine import Machine, this_machine
-from autotune.search.space import SearchSpace, build_space, config_key, read_space, restore_space
+from autotune.search.machine import Machine, cpu_has_bf16, this_machine
+from autotune.search.space import SearchSpace, SpaceFile, build_space, config_key, read_space, restore_space
+from autotune.search.strategy import Observation, Plan, StrongStart, label, median_interval, sign_test
 from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CONFIRM,
@@ -42,8 +43,17 @@ TIMEOUT_FACTOR = 5.0
 COMPILE_MIN_TIMEOUT_S = 900.0
 MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row before enumerating instead
 MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
-WIN_SHARE = 0.8  # share of A/B pairs the winner must win
-MIN_GAIN = 0.01  # and its median speedup must be above 1 + this
+ALPHA = 0.05  # a candidate is accepted when the sign test of its A/B pairs says faster with p <= this
+MIN_GAIN = 0.01  # and its median speedup is above 1 + this
+MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
+NOISY = 0.25  # baseline runs whose step times differ by more than this (relative) make a verdict unreliable
+MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
+MAX_MARGIN = 0.5
+DEFAULT_BUDGET_S = 900.0  # when neither --trials nor --time-budget is given
+OVERRUN = 0.1  # --time-budget is kept within this share
+COMPILE_GUESS_S = 60.0  # the compile time expected of a first compiling trial, before any was measured
+EXPENSIVE_FACTOR = 10.0  # an expensive choice (max-autotune) is expected to compile this many times longer
+EXPENSIVE_MIN_S = 300.0
 WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
 
 
@@ -66,8 +76,8 @@ class SearchOptions:
     script: Path
     args: tuple[str, ...] = ()
     out: Path = Path("autotune-out")
-    trials: int = 20
-    time_budget: float | None = None
+    trials: int | None = None  # distinct configurations, the baseline included; None: no limit but the budget
+    time_budget: float | None = None  # seconds for the whole command; None with trials None: DEFAULT_BUDGET_S
     steps: int = 20
     warmup: int = 5
     device: str = "auto"
@@ -81,6 +91,14 @@ class SearchOptions:
     seed: int = 0
     env: Mapping[str, str | None] = field(default_factory=dict)  # extra environment for every trial
     launcher: str | None = None  # a command that runs each trial as a distributed job ("torchrun --nproc_per_node=2")
+    train_steps: int | None = None  # the real run's length: the objective becomes time to train, compile included
+
+    @property
+    def budget(self) -> float | None:
+        """The time budget in force: the one given, or the default when no budget at all was given."""
+        if self.time_budget is None and self.trials is None:
+            return DEFAULT_BUDGET_S
+        return self.time_budget
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,22 @@ class Confirmation:
     def wins(self) -> int:
         return sum(r > 1.0 for r in self.ratios)
 
+    @property
+    def p_value(self) -> float:
+        """The sign test's one-sided p-value that the candidate is not faster (wins as often as not)."""
+        return sign_test(self.wins, len(self.ratios))
+
+    @property
+    def interval(self) -> tuple[float, float, float] | None:
+        """A distribution-free interval for the median speedup: (low, high, coverage)."""
+        return median_interval(self.ratios)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the interval is clear of 1.0 (more pairs would not change the verdict's direction)."""
+        iv = self.interval
+        return iv is not None and (iv[0] > 1.0 or iv[1] < 1.0)
+
 
 @dataclass(frozen=True)
 class SearchOutcome:
@@ -132,6 +166,22 @@ class SearchOutcome:
     machine: str = ""  # the machine whose baseline runs, noise and confirmation the summary reports
     # True for ``autotune report``: wall_s is then the study's span, first trial start to last trial end
     from_study: bool = False
+    plan: Plan | None = None  # the strategy's path: start, blames, accepted steps
+    interactions: tuple[str, ...] = ()  # what each knob of the chosen configuration is worth, alone and in it
+    startup: str | None = None  # the chosen configuration's extra start-up (compile) time and its break-even
+    labels: Mapping[int, str] = field(default_factory=dict)  # trial number -> the knobs that change its program
+    hidden: int = 0  # sampler proposals of configurations already measured, told the earlier result, not shown
+    reserved_s: float | None = None  # the time the search set aside for confirmation
+
+    @property
+    def noisy(self) -> str | None:
+        """A plain warning when this machine's timing noise makes the verdict unreliable, else None."""
+        if self.noise.time is not None and self.noise.time > NOISY:
+            return (
+                f"this machine's timing is noisy: its baseline runs' step times differ by {100 * self.noise.time:.0f}%, "
+                "so speedups below that are not reliable here; run the search on a quiet machine to trust small ones"
+            )
+        return None
 
     @property
     def machines(self) -> tuple[str, ...]:
@@ -173,6 +223,8 @@ def fingerprint(patch: PatchResult, options: SearchOptions, device: str, space: 
     }
     if options.launcher:  # (only then, so that studies made before launchers existed still resume)
         doc["launcher"] = shlex.split(options.launcher)
+    if options.train_steps:  # the objective: time to train this many steps, compile included
+        doc["train_steps"] = options.train_steps
     h.update(json.dumps(doc, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
@@ -215,8 +267,10 @@ class Search:
         self.display = display
         if options.warmup < 1 or options.steps < 2:
             raise UsageError("--warmup must be at least 1 and --steps at least 2")
-        if options.trials < 1:
+        if options.trials is not None and options.trials < 1:
             raise UsageError("--trials must be at least 1")
+        if options.train_steps is not None and options.train_steps < 1:
+            raise UsageError("--train-steps must be at least 1")
         if options.confirm < 1:
             raise UsageError("--confirm must be at least 1 (pairs of runs that check the winner)")
         if options.time_budget is not None and options.time_budget <= 0:
@@ -239,13 +293,17 @@ class Search:
             raise NoTrainingLoop(f"{options.script}: autotune could not place its step hook in the training loop")
         if about:
             self.space = restore_space(self.patch.knobs, self.device, about["space"], about.get("left_out") or {})
+            start, expensive = dict(about.get("start") or {}), dict(about.get("expensive") or {})
         else:
-            self.space = build_space(self.patch.knobs, self.device, read_space(self.device, options.space))
+            wanted = read_space(self.device, options.space)
+            self.space = build_space(self.patch.knobs, self.device, wanted)
+            start, expensive = start_of(self.device, wanted, options.space is not None)
+        self.strategy = StrongStart(self.space, start, expensive)
         self.out = check_out_dir(options.out, self.project)
         self.fingerprint = fingerprint(self.patch, options, self.device, self.space)
         self.study_name = options.study_name or f"{options.script.stem}-{self.fingerprint[:12]}"
         self.storage_desc = options.storage or str(self.out / DB_NAME)
-        self.mode = "enumerated" if self.space.size <= options.trials else "sampled"
+        self.mode = "descent"
         self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
         self.results: list[TrialResult] = []
         self._claims: set[str] = set()  # what other workers are measuring now
@@ -253,8 +311,13 @@ class Search:
         self._waiting: frozenset[str] = frozenset()
         self._codes: dict[str, str | None] = {}
         self._bake_errors: dict[str, str] = {}
-        self.started = time.monotonic()
-        self.deadline = self.started + options.time_budget if options.time_budget else math.inf
+        self.clock = time.monotonic  # (tests put a fake clock and runner here)
+        self.runner_factory = Runner
+        self.started = self.clock()
+        self.deadline = math.inf  # set when the search runs
+        self.reserved_s: float | None = None
+        self.plan: Plan | None = None
+        self._views: dict[str, Any] = {}
 
     def about(self) -> dict[str, Any]:
         """What the study is made from, stored in it so that ``autotune report`` can rebuild this search."""
@@ -265,6 +328,7 @@ class Search:
             "steps": self.o.steps,
             "warmup": self.o.warmup,
             "trials": self.o.trials,
+            "time_budget": self.o.budget,
             "confirm": self.o.confirm,
             "rtol": self.o.rtol,
             "seed": self.o.seed,
@@ -272,6 +336,9 @@ class Search:
             "launcher": self.o.launcher,
             "space": self.space.describe(),
             "left_out": dict(self.space.left_out),
+            "start": {n: self.strategy.start[n] for n in self.strategy.start_order},
+            "expensive": {n: [v for m, v in self.strategy.expensive if m == n] for n, _ in self.strategy.expensive},
+            "train_steps": self.o.train_steps,
         }
 
     # --- the parts ---------------------------------------------------------------------------------------------
@@ -282,6 +349,8 @@ class Search:
                 f"{self.o.script}: nothing to search on {self.device}: no optimization applies to this script"
                 + (f" (left out: {', '.join(sorted(self.space.left_out))})" if self.space.left_out else "")
             )
+        self.started = self.clock()
+        self.deadline = self.started + self.o.budget if self.o.budget else math.inf
         self.out.mkdir(parents=True, exist_ok=True)
         lock = _Lock(self.out)
         env = dict(self.o.env)
@@ -299,7 +368,7 @@ class Search:
             self.machine = this_machine(self.device, env)
             self.store = StudyStore(storage, self.study_name, seed=self.o.seed, machine=self.machine.key)
             self.store.adopt(self.fingerprint, self.space, self.about())
-            self.runner = Runner(
+            self.runner = self.runner_factory(
                 self.patch,
                 self.out / WORK_NAME,
                 TrialSettings(
@@ -310,6 +379,7 @@ class Search:
             self.display.begin(self)
             try:
                 stopped = self._explore()
+                self.reserved_s = self._reserve() if math.isfinite(self.deadline) else None
                 confirmations = self._confirm()
             except KeyboardInterrupt:
                 done = len(self.store.results())
@@ -329,7 +399,7 @@ class Search:
             lock.release()
         self._refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
         winner = next((c for c in confirmations if c.accepted), None)
-        return self._outcome(stopped, confirmations, winner, self.machine.key, time.monotonic() - self.started)
+        return self._outcome(stopped, confirmations, winner, self.machine.key, self.clock() - self.started)
 
     def report(self, store: StudyStore) -> SearchOutcome:
         """What ``store``'s study found, as a search's outcome, without running anything (``autotune report``)."""
@@ -343,6 +413,7 @@ class Search:
         self.results = store.results()
         if not self.results:
             raise UsageError(f"study '{store.name}' has no finished trials yet")
+        self.plan = self.strategy.plan(self.view())
         speeds = {config_key(c): s for c, s in self.candidates()}
         arms: dict[tuple[str, str], dict[tuple[int, str], TrialResult]] = {}
         for r in self.results:
@@ -388,9 +459,58 @@ class Search:
             study_name=self.study_name,
             storage=self.storage_desc,
             mode=self.mode,
-            speedups=local_speedups(results),
+            speedups={**local_speedups(results), **{r.number: r.speedup for r in results if r.speedup and r.measured}},
             machine=machine,
             from_study=from_study,
+            plan=self.plan,
+            labels={r.number: label(self.canonical(r.config), self.space) for r in results if r.number is not None},
+            interactions=self._interactions(winner.config) if winner else (),
+            startup=self._startup(winner.config, machine) if winner else None,
+            hidden=self.store.hidden() if hasattr(self, "store") else 0,
+            reserved_s=self.reserved_s,
+        )
+
+    def _interactions(self, config: Mapping[str, Any]) -> tuple[str, ...]:
+        """For each knob ``config`` changes: its speedup alone, and the chosen configuration's without it, where
+        the study measured them (``sdpa.attention=sdpa: alone 1.41x; without it the rest runs 0.16x the tuned``)."""
+        view = self.view()
+        mine = view.observed(config)
+        out = []
+        for knob in self.space.changed(config):
+            alone = view.observed(self.canonical({**self.space.baseline(), knob.name: config[knob.name]}))
+            without_cfg = self.canonical({**config, knob.name: knob.default})
+            without = view.observed(without_cfg) if not view.same(without_cfg, config) else None
+            parts = []
+            if alone is not None:
+                parts.append(f"alone {alone.speedup:.2f}x" if alone.ok else f"alone {alone.status}")
+            if without is not None and mine is not None and mine.speedup:
+                parts.append(
+                    f"the rest without it {without.speedup:.2f}x, so in the tuned configuration it is worth "
+                    f"{mine.speedup / without.speedup:.2f}x"
+                    if without.ok and without.speedup
+                    else f"the rest without it {without.status}"
+                )
+            if parts:
+                out.append(f"{knob.name}={config[knob.name]}: " + "; ".join(parts))
+        return tuple(out)
+
+    def _startup(self, config: Mapping[str, Any], machine: str) -> str | None:
+        """The chosen configuration's one-time start-up beyond the baseline's (compilation) and when it pays off."""
+        runs = [r for r in self.results if r.measured and r.machine == machine and self.program(r.config) == self.program(config)]
+        base = self._baselines(machine)
+        if not runs or not base or not self._compiles(config):
+            return None
+        w = self.o.warmup
+        extra = statistics.median(train_time(r, 0, w) for r in runs) - statistics.median(train_time(b, 0, w) for b in base)
+        gain = statistics.median(b.step_time for b in base) - statistics.median(r.step_time for r in runs)
+        if extra <= 0:
+            return None
+        if gain <= 0:
+            return f"start-up {extra:.0f}s longer than the baseline's (compilation), and no faster per step"
+        steps = math.ceil(extra / gain)
+        return (
+            f"start-up {extra:.0f}s longer than the baseline's (compilation): it pays for itself after {steps} steps"
+            + (f" (your run: {self.o.train_steps})" if self.o.train_steps else "")
         )
 
     def _refresh(self) -> None:
@@ -404,25 +524,54 @@ class Search:
         return machine if machine is not None else (self.machine.key if self.machine else "")
 
     def _estimate(self) -> float:
-        walls = [r.wall_s for r in self.results if r.measured and r.machine == self._mine()]
-        walls = walls or [r.wall_s for r in self.results if r.measured]
+        """Seconds one run of the baseline takes on this machine (0 before any ran)."""
+        walls = [r.wall_s for r in self._baselines()] or [r.wall_s for r in self.results if r.measured]
         return statistics.median(walls) if walls else 0.0
 
-    def _time_left(self) -> float:
-        return self.deadline - time.monotonic()
+    def _compiles(self, config: Mapping[str, Any]) -> bool:
+        return any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs)
 
-    def _timeout(self, config: Mapping[str, Any]) -> float:
+    def _cost(self, config: Mapping[str, Any]) -> float:
+        """Seconds a run of ``config`` is expected to take: the baseline's, plus its compile time if it compiles."""
+        base = self._estimate()
+        measured = self.measured().get(self.program(config))
+        if measured is not None and measured.wall_s:
+            return measured.wall_s
+        if not self._compiles(config):
+            return base
+        extra = [r.wall_s - base for r in self.results if r.measured and self._compiles(r.config)]
+        compile_s = max(max(extra, default=COMPILE_GUESS_S), 0.0)
+        if any(self.strategy._is_expensive(n, v) for n, v in config.items()):
+            compile_s = max(EXPENSIVE_FACTOR * compile_s, EXPENSIVE_MIN_S)
+        return base + compile_s
+
+    def _reserve(self, config: Mapping[str, Any] | None = None) -> float:
+        """The time set aside for confirming ``config`` (or the best candidate so far): --confirm A/B pairs."""
+        if config is None:
+            ranked = self.candidates()
+            config = ranked[0][0] if ranked else None
+        cost = self._cost(config) if config is not None else self._estimate()
+        return self.o.confirm * (self._estimate() + cost)
+
+    def _time_left(self) -> float:
+        return self.deadline - self.clock()
+
+    def _timeout(self, config: Mapping[str, Any], reserve: float = 0.0) -> float:
         if self.o.timeout is not None:
-            return self.o.timeout
-        walls = [r.wall_s for r in self._baselines()]
-        timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
-        if any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs):
-            timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
+            timeout = self.o.timeout
+        else:
+            walls = [r.wall_s for r in self._baselines()]
+            timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
+            if self._compiles(config):
+                timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
+        if math.isfinite(self.deadline):  # a run never eats the time set aside for what comes after it
+            budget = self.o.budget or 0.0
+            timeout = min(timeout, max(self._time_left() - reserve + OVERRUN * budget / 2, 1.0))
         return timeout
 
-    def target(self) -> int:
-        """How many distinct configurations (the baseline included) the study measures, by all its workers."""
-        return min(self.o.trials, self.space.size)
+    def target(self) -> int | None:
+        """How many distinct configurations (the baseline included) the study measures at most, by all its workers."""
+        return min(self.o.trials, self.space.size) if self.o.trials is not None else None
 
     def code_key(self, config: Mapping[str, Any]) -> str | None:
         """The hash of the code ``config`` bakes into: configurations that bake alike are one program.
@@ -496,14 +645,25 @@ class Search:
         return [self._gate(r, noise[r.machine]) for r in results]
 
     def _value(self, result: TrialResult) -> float:
-        """What Optuna maximises: throughput over that of the same machine's baseline runs (0 when it failed).
+        """What Optuna maximises, and the one speedup every output shows: the run's speed over the median of its
+        machine's last 3 baseline runs when it finished (0 when it failed).
 
-        A ratio, not steps/s: the sampler compares trials of every machine, and those differ in speed.
+        A ratio, not steps/s: the sampler compares trials of every machine, and those differ in speed. With
+        ``--train-steps N`` speed is 1 / (time to train N steps), its one-time start-up (compile) included.
         """
+        if result.speedup is not None:
+            return result.speedup if result.measured else 0.0
         if not result.measured or not result.throughput:
             return 0.0
-        base = [r.throughput for r in self._baselines(result.machine) if r.throughput]
-        return result.throughput / statistics.median(base) if base else 1.0
+        base = [r for r in self._baselines(result.machine) if r.throughput and r is not result][-3:]
+        ref = statistics.median(self._speed(b) for b in base) if base else 0.0
+        return self._speed(result) / ref if ref else 1.0
+
+    def _speed(self, r: TrialResult) -> float:
+        """Steps per second, or with --train-steps N, 1 / (start-up + N steps)."""
+        if not self.o.train_steps:
+            return r.throughput or 0.0
+        return 1.0 / train_time(r, self.o.train_steps, self.o.warmup)
 
     # running one trial
 
@@ -539,7 +699,7 @@ class Search:
             return None
         first = self._reference() is None and role == ROLE_BASELINE
         self.display.trial_started(config, role)
-        timeout = self._timeout(config)
+        timeout = self._timeout(config, self._reserve_now)
         if code is None:
             error = f"autotune cannot write this configuration as code: {self._bake_errors[config_key(config)]}"
             result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
@@ -548,21 +708,17 @@ class Search:
                 config, role, timeout, on_start=lambda pid: self.store.started(trial, pid, timeout), attrs=attrs
             )
         result = result.with_(number=trial.number, host=self.machine.host, device_name=self.machine.device)
+        if result.measured and result.throughput:
+            result = result.with_(speedup=self._value(result))
         self.results.append(result)  # first, so that a baseline run counts in the noise it is judged with
         result = self.results[-1] = self._gate(result)
         number = self.store.record(trial, result, self._value(result))
         if number != trial.number:
             result = self.results[-1] = result.with_(number=number)
-        self.display.trial_finished(result, self._speedup_now(result))
+        self.display.trial_finished(result, result.speedup)
         if first and result.status is not Outcome.OK:
             self._baseline_failed(result)
         return result
-
-    def _speedup_now(self, result: TrialResult) -> float | None:
-        base = [r.throughput for r in self._baselines(result.machine)[-3:] if r.throughput]
-        if not result.measured or not base or not result.throughput:
-            return None
-        return result.throughput / statistics.median(base)
 
     def _baseline_failed(self, result: TrialResult) -> None:
         if result.status is Outcome.SHORT:
@@ -583,44 +739,62 @@ class Search:
 
     # exploring the space
 
-    def _unmeasured(self, limit: int | None = None) -> dict[str, Any] | None:
+    def view(self) -> "_View":
+        """The study as the strategy sees it (rebuilt after each refresh)."""
+        return _View(self)
+
+    def _unmeasured(self) -> dict[str, Any] | None:
         """The first configuration, in the space's order, whose program nobody measured or is measuring."""
         measured = self.measured()
-        for i, c in enumerate(self.space.configs()):
-            if limit is not None and i >= limit:
-                return None
+        for c in self.space.configs():
             key = self.program(c)
             if key not in measured and key not in self._taken:
                 return c
         return None
 
-    def _next_config(self) -> tuple[dict[str, Any] | None, bool]:
-        """(configuration to run, or None to let the sampler choose; whether no configuration is left to run)."""
-        if self.mode == "enumerated" or self._duplicates >= MAX_DUPLICATES:
-            c = self._unmeasured()
-            return c, c is None
-        # sampled: each knob alone first (informative start-up trials for TPE), then the sampler
-        singles = 1 + sum(len(self.space.choices[k.name]) - 1 for k in self.space.knobs)
-        return self._unmeasured(limit=singles), False
-
     def _explore(self) -> str:
         self._duplicates = 0
-        if len(self.measured()) >= self.target() and self._baselines():
-            return f"all {self.target()} configurations already measured (resumed study)"
+        self._reserve_now = 0.0
+        target = self.target()
+        if self._baselines():  # a resumed study: nothing to do where it has already done what was asked
+            if target is not None and len(self.measured()) >= target:
+                return f"all {target} configurations already measured (resumed study)"
+            self.plan = self.strategy.plan(self.view())
+            if self.plan.done and target is None and not self._taken:
+                return "the descent had converged (resumed study)"
         # two baselines back to back on a machine new to the study, so its noise is known from the first trial on;
         # one when resuming, as the machine may have changed since
         for _ in range(max(1, 2 - len(self._baselines()))):
             self._trial(self.space.baseline(), ROLE_BASELINE)
+            self._check_budget()
         while True:
             self._refresh()
             measured = len(self.measured())
-            if measured >= self.target():
-                if self.target() == self.space.size:
+            if target is not None and measured >= target:
+                if target == self.space.size:
                     return f"all {self.space.size} configurations measured"
-                return f"trial budget reached ({self.target()} configurations)"
-            reserve = self.o.confirm * 2 * self._estimate()
-            if self._time_left() < self._estimate() + reserve:
-                return "time budget reached"
+                return f"trial budget reached ({target} configurations)"
+            self.plan = self.strategy.plan(self.view())
+            ready = [p for p in (self.plan.ready if self.plan else ()) if self.program(p.config) not in self._taken]
+            if self.plan.done and not ready:
+                if self._taken:  # the strategy's last steps are other workers' trials: their results decide
+                    self._wait("configuration(s) other workers are measuring", self._taken)
+                    continue
+                if self.o.trials is None:
+                    return "the descent converged: no knob change is faster beyond the noise"
+                self.mode = "descent, then sampled"  # --trials asks for more configurations: the sampler picks
+            if not ready and not self.plan.done:
+                self._wait("configuration(s) other workers are measuring", self._taken)
+                continue
+            config = ready[0].config if ready else None
+            if config is None and (self._duplicates >= MAX_DUPLICATES or self.space.size <= (self.o.trials or 0)):
+                config = self._unmeasured()
+                if config is None:
+                    return f"all {self.space.size} configurations measured ({len(self.measured())} distinct programs)"
+            self._reserve_now = self._reserve()
+            cost = self._cost(config) if config is not None else self._estimate()
+            if self._time_left() < cost + self._reserve_now:
+                return "time budget reached (the rest is set aside for confirmation)"
             since = 0
             for r in reversed(self.results):  # this machine's search trials since its last baseline run
                 if r.machine != self.machine.key:
@@ -631,39 +805,51 @@ class Search:
             if since >= self.o.baseline_every:
                 self._trial(self.space.baseline(), ROLE_BASELINE)
                 continue
-            config, exhausted = self._next_config()
-            if self._taken and (exhausted or measured + len(self._taken) >= self.target()):
-                # the rest is being measured by other workers: wait, as a configuration whose worker dies is free again
-                self._wait("configuration(s) other workers are measuring", self._taken)
-                continue
-            if exhausted:
-                return (
-                    f"all {self.space.size} configurations measured "
-                    f"({len(self.measured())} distinct programs: the others bake to the same code)"
-                )
-            got = self._trial(config, ROLE_SEARCH)
-            self._duplicates = self._duplicates + 1 if got is None else 0
+            attrs = {"phase": ready[0].phase, "why": ready[0].why} if ready else {"phase": "sample"}
+            got = self._trial(config, ROLE_SEARCH, attrs)
+            self._duplicates = self._duplicates + 1 if got is None and config is None else 0
+
+    def _check_budget(self) -> None:
+        """After the first baseline: refuse a budget too small for two baselines, one trial and confirmation."""
+        if not math.isfinite(self.deadline) or len(self._baselines()) != 1 or len(self.results) != 1:
+            return
+        run = self._estimate()
+        runs = 2 + 1 + 2 * self.o.confirm
+        need = run * runs
+        if self.o.budget and need > self.o.budget * (1 + OVERRUN):
+            fits = max(int((self.o.budget / run - 3) // 2), 0)
+            raise BudgetTooSmall(
+                f"--time-budget {self.o.budget:.0f}s is too small for this script: one run takes about {run:.0f}s, "
+                f"and a search needs at least 2 baselines, 1 trial and {self.o.confirm} A/B pairs ({runs} runs, about "
+                f"{need:.0f}s); give --time-budget {math.ceil(need * 1.5 / 60) * 60} or more"
+                + (f", or --confirm {fits}" if fits >= 1 else "")
+                + f" (the baseline run is kept in {self.storage_desc})"
+            )
 
     # confirming the winner
 
     def candidates(self) -> list[tuple[dict[str, Any], float]]:
-        """Configurations that passed the gate and beat the baseline runs around them, fastest first.
+        """Configurations that passed the gate and beat the baseline, the strategy's incumbent first, then fastest first.
 
         Each speedup is against the baseline runs of the machine the configuration ran on; machines are not mixed.
         """
         results = self._regate(self.results)
-        speed = local_speedups(results)
         best: dict[str, tuple[dict[str, Any], float]] = {}
         baseline_code = self.code_key(self.space.baseline())
         for r in results:
-            if r.role != ROLE_SEARCH or r.status is not Outcome.OK or r.number not in speed:
+            if r.role != ROLE_SEARCH or r.status is not Outcome.OK or r.number is None:
                 continue
+            speed = self._value(r)
             key = self.code_key(r.config)
             if key is None or key == baseline_code:
                 continue
-            if key not in best or speed[r.number] > best[key][1]:
-                best[key] = (self.canonical(r.config), speed[r.number])
+            if key not in best or speed > best[key][1]:
+                best[key] = (self.canonical(r.config), speed)
         ranked = sorted(best.values(), key=lambda cs: -cs[1])
+        plan = self.plan
+        if plan is not None:  # the strategy's choice leads: the descent weighed the noise, a single fast run did not
+            inc = self.code_key(plan.incumbent)
+            ranked.sort(key=lambda cs: self.code_key(cs[0]) != inc)
         return [(c, s) for c, s in ranked if s > 1.0]
 
     def canonical(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -681,8 +867,11 @@ class Search:
 
     def _confirm(self) -> list[Confirmation]:
         out = []
-        for config, search_speedup in self.candidates()[:MAX_CANDIDATES]:
-            c = self._confirm_one(config, search_speedup)
+        ranked = self.candidates()[:MAX_CANDIDATES]
+        for k, (config, search_speedup) in enumerate(ranked):
+            if k and self._time_left() < self._reserve(config):
+                break  # the time set aside was for the first candidate; a second one runs only if it fits
+            c = self._confirm_one(config, search_speedup, (k + 1, len(ranked)), must=k == 0)
             out.append(c)
             if c.accepted:
                 break
@@ -696,26 +885,48 @@ class Search:
                 got[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
         return got
 
-    def _confirm_one(self, config: dict[str, Any], search_speedup: float) -> Confirmation:
-        """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine)."""
+    def _confirm_one(
+        self, config: dict[str, Any], search_speedup: float, which: tuple[int, int] = (1, 1), must: bool = True
+    ) -> Confirmation:
+        """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine).
+
+        --confirm pairs first (time was set aside for them when ``must``); then, while the interval of the median
+        speedup straddles 1.0, more pairs, up to MORE_PAIRS times as many, as long as the time budget allows.
+        """
         key = config_key(config)
         baseline = self.space.baseline()
         me = self.machine.key
         stopped = None
-        for j in range(self.o.confirm):
+        limit = self.o.confirm * MORE_PAIRS
+        pair_cost = self._estimate() + self._cost(config)
+        self._reserve_now = 0.0
+        j = 0
+        while j < limit:
+            if j >= self.o.confirm:
+                so_far = self._verdict(config, self._arms(key, me), None, search_speedup, me, pairs=j)
+                if so_far.settled or not so_far.ratios:
+                    break
+                if self._time_left() < pair_cost:
+                    stopped = f"more pairs would pass the time budget ({j} measured)"
+                    break
             order = ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline")
             for arm in order:
                 self._refresh()
                 claim = _claim(ROLE_CONFIRM, me, key, j, arm)
                 if (j, arm) in self._arms(key, me) or claim in self._claims:
                     continue  # measured, or being measured by another worker on this machine
-                if self._time_left() < self._estimate():
+                if not must and self._time_left() < self._cost(config):
                     stopped = "the time budget ran out during confirmation"
                     break
-                attrs = {"candidate": key, "pair": j, "arm": arm}
+                if must and self._time_left() < -OVERRUN * (self.o.budget or 0.0):
+                    stopped = "the time budget ran out during confirmation"
+                    break
+                attrs = {"candidate": key, "pair": j, "arm": arm, "of": list(which)}
+                self.display.confirming(which, j + 1, self.o.confirm if j < self.o.confirm else limit, arm)
                 self._trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs, claim)
             if stopped:
                 break
+            j += 1
         while not stopped:  # runs of this confirmation that other workers on this machine are measuring
             busy = {c for c in self._claims if json.loads(c)[:3] == [ROLE_CONFIRM, me, key]}
             if not busy:
@@ -733,10 +944,13 @@ class Search:
         stopped: str | None,
         search_speedup: float | None,
         machine: str,
+        pairs: int | None = None,
     ) -> Confirmation:
-        """Whether the A/B pairs ``got`` confirm ``config``: faster in most pairs, beyond the noise."""
+        """Whether the A/B pairs ``got`` confirm ``config``: faster by the sign test (p <= ALPHA) and by more than
+        MIN_GAIN in the median."""
         ratios, base_runs, cand_runs, failed = [], [], [], []
-        for j in range(self.o.confirm):
+        measured = sorted({j for j, _ in got})
+        for j in measured:
             b, c = got.get((j, "baseline")), got.get((j, "candidate"))
             if c is not None:
                 cand_runs.append(c)
@@ -745,26 +959,105 @@ class Search:
             if b is not None:
                 base_runs.append(b)
             if b is not None and c is not None and b.measured and c.status is Outcome.OK:
-                ratios.append(c.throughput / b.throughput)
-        pairs = self.o.confirm
-        need = math.ceil(WIN_SHARE * pairs)
+                ratios.append(self._speed(c) / self._speed(b))
+        need = self.o.confirm if pairs is None else pairs
         median_ratio = statistics.median(ratios) if ratios else None
         if failed:
             accepted, reason = False, f"not reproducible: a confirmation run ended {failed[0].status} ({failed[0].error})"
-        elif stopped and len(ratios) < pairs:
-            accepted, reason = False, f"{stopped} ({len(ratios)} of {pairs} pairs measured)"
-        elif len(ratios) < pairs:
-            accepted, reason = False, f"only {len(ratios)} of {pairs} pairs could be measured"
+        elif len(ratios) < min(need, self.o.confirm):
+            why = stopped or "the search stopped"
+            accepted, reason = False, f"{why} ({len(ratios)} of {self.o.confirm} pairs measured)"
         else:
             wins = sum(r > 1.0 for r in ratios)
-            accepted = wins >= need and median_ratio > 1.0 + MIN_GAIN
+            p = sign_test(wins, len(ratios))
+            low, high, cover = median_interval(ratios)
+            accepted = p <= ALPHA and median_ratio > 1.0 + MIN_GAIN
             reason = (
-                f"faster in {wins} of {pairs} A/B pairs, median speedup {median_ratio:.3f}x"
-                + ("" if accepted else f" (needs {need} of {pairs} and above {1 + MIN_GAIN:.2f}x: within the noise)")
+                f"faster in {wins} of {len(ratios)} A/B pairs (sign test p = {p:.3f}), median speedup "
+                f"{median_ratio:.3f}x, {100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x"
             )
+            if not accepted:
+                reason += (
+                    f" (needs p <= {ALPHA} and a median above {1 + MIN_GAIN:.2f}x: "
+                    + ("within the noise" if low <= 1.0 <= high else "not faster")
+                    + (f"; {stopped}" if stopped else "")
+                    + ")"
+                )
         return Confirmation(
             config, tuple(ratios), accepted, reason, tuple(base_runs), tuple(cand_runs), search_speedup, machine
         )
+
+
+class BudgetTooSmall(UsageError):
+    """--time-budget cannot fit two baselines, one trial and the confirmation pairs."""
+
+
+class _View:
+    """The study as the strategy sees it: each program's first measurement, gated against the whole study's noise."""
+
+    def __init__(self, search: Search) -> None:
+        self.s = search
+        self.space = search.space
+        base_key = search.program(search.space.baseline())
+        self._obs: dict[str, Observation] = {}
+        for r in search._regate(search.results):
+            if r.role not in (ROLE_BASELINE, ROLE_SEARCH):
+                continue
+            key = search.program(r.config)
+            if key in self._obs:
+                continue
+            if key == base_key:
+                self._obs[key] = Observation(True, 1.0)
+            else:
+                ok = r.status is Outcome.OK
+                self._obs[key] = Observation(ok, search._value(r) if ok else None, str(r.status), r.error)
+        self._threshold = _margin(search._baselines())
+
+    def observed(self, config):
+        return self._obs.get(self.s.program(config))
+
+    def canonical(self, config):
+        return self.s.canonical(config)
+
+    def same(self, a, b) -> bool:
+        return self.s.program(a) == self.s.program(b)
+
+    def threshold(self) -> float:
+        return self._threshold
+
+    def affordable(self, config) -> bool:
+        return self.s._time_left() >= self.s._cost(config) + self.s._reserve()
+
+
+def _margin(baselines: list[TrialResult]) -> float:
+    """How much faster a change must be to count: twice the spread (standard deviation of log step time) of the
+    baseline runs, within [MIN_MARGIN, MAX_MARGIN]."""
+    times = [b.step_time for b in baselines if b.step_time]
+    if len(times) < 2:
+        return MIN_MARGIN
+    sd = statistics.stdev(math.log(x) for x in times)
+    return min(max(2 * sd, MIN_MARGIN), MAX_MARGIN)
+
+
+def train_time(r: TrialResult, steps: int, warmup: int) -> float:
+    """Seconds ``r``'s configuration would take to train ``steps`` steps: its one-time start-up (the warm-up's time
+    beyond its steps: compilation, autotuning) plus ``steps`` steps at its measured speed."""
+    step = r.step_time or 0.0
+    startup = max((r.warmup_s or 0.0) - warmup * step, 0.0)
+    return startup + steps * step
+
+
+def start_of(device: str, wanted: SpaceFile, own: bool) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """The start configuration and the expensive choices: the space file's, then (for a --space file of the user's)
+    the bundled file's for the knobs it does not name; bf16 autocast only where the CPU has native bf16."""
+    start, expensive = dict(wanted.start), dict(wanted.expensive)
+    if own:
+        bundled = read_space(device)
+        start.update({k: v for k, v in bundled.start.items() if k not in start})
+        expensive.update({k: v for k, v in bundled.expensive.items() if k not in expensive})
+    if device == "cpu" and start.get("autocast.dtype") == "bf16" and not cpu_has_bf16():
+        del start["autocast.dtype"]
+    return start, expensive
 
 
 def _claim(*parts: Any) -> str:
@@ -818,7 +1111,9 @@ def report_from_study(storage: str, study_name: str | None, out: Path, script: P
         script=path,
         args=tuple(about["args"]),
         out=out,
-        trials=int(about["trials"]),
+        trials=int(about["trials"]) if about.get("trials") is not None else None,
+        time_budget=about.get("time_budget"),
+        train_steps=about.get("train_steps"),
         steps=int(about["steps"]),
         warmup=int(about["warmup"]),
         device=str(about["device"]),

@@ -19,6 +19,7 @@ from autotune.transform import all_knobs, all_transforms
 DEVICES = ("cpu", "cuda")
 
 Config = Mapping[str, Any]
+SPACE_KEYS = {"knobs", "others", "start", "expensive"}
 
 
 def bundled_space_text(device: str) -> str:
@@ -32,6 +33,10 @@ class SpaceFile:
 
     choices: Mapping[str, tuple[Any, ...]]
     others: str = "default"  # "default": unlisted knobs keep their default; "all": every choice they declare
+    # the configuration the field switches on for the device, in order of expected effect (the search starts there)
+    start: Mapping[str, Any] = field(default_factory=dict)
+    # choices whose warm-up can take minutes: tried last, on top of the best configuration, when the budget allows
+    expensive: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
 
 def read_space(device: str, path: Path | None = None) -> SpaceFile:
@@ -57,8 +62,11 @@ def parse_space(text: str, where: str, strict: bool = True) -> SpaceFile:
         at = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise UsageError(f"{where}{at}: not valid YAML: {problem}") from None
-    if not isinstance(doc, dict) or set(doc) - {"knobs", "others"} or not isinstance(doc.get("knobs"), dict):
-        raise UsageError(f"{where}: expected 'knobs:' (knob name -> list of choices) and optionally 'others: default|all'")
+    if not isinstance(doc, dict) or set(doc) - SPACE_KEYS or not isinstance(doc.get("knobs"), dict):
+        raise UsageError(
+            f"{where}: expected 'knobs:' (knob name -> list of choices) and optionally 'others: default|all', "
+            "'start:' (knob -> choice) and 'expensive:' (knob -> list of choices)"
+        )
     others = doc.get("others", "default")
     if others not in ("default", "all"):
         raise UsageError(f"{where}: 'others' must be default (unlisted knobs keep their default) or all, not {others!r}")
@@ -78,7 +86,34 @@ def parse_space(text: str, where: str, strict: bool = True) -> SpaceFile:
                     f"{where}: knob '{name}' has no choice {choice!r} (choices: {', '.join(map(repr, knob.choices))})"
                 )
         out[name] = tuple(dict.fromkeys(choices))
-    return SpaceFile(out, others)
+    start = _choice_map(doc.get("start"), "start", where, known, strict, single=True)
+    expensive = _choice_map(doc.get("expensive"), "expensive", where, known, strict, single=False)
+    return SpaceFile(out, others, start, expensive)
+
+
+def _choice_map(section: Any, key: str, where: str, known: Mapping[str, Knob], strict: bool, single: bool) -> dict:
+    """The ``start`` (knob -> choice) or ``expensive`` (knob -> choices) section of a space file, checked."""
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise UsageError(f"{where}: '{key}' must map knob names to " + ("a choice" if single else "lists of choices"))
+    out: dict[str, Any] = {}
+    for name, value in section.items():
+        knob = known.get(name)
+        if knob is None:
+            if strict:
+                raise UsageError(f"{where}: {key}: unknown knob '{name}'")
+            continue
+        values = [value] if single else value
+        if not isinstance(values, list):
+            raise UsageError(f"{where}: {key}: knob '{name}' needs a list of choices")
+        for v in values:
+            if not any(type(v) is type(c) and v == c for c in knob.choices):
+                raise UsageError(
+                    f"{where}: {key}: knob '{name}' has no choice {v!r} (choices: {', '.join(map(repr, knob.choices))})"
+                )
+        out[name] = value if single else tuple(values)
+    return out
 
 
 @dataclass(frozen=True)

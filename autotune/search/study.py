@@ -353,6 +353,14 @@ class StudyStore:
         return out
 
     @retrying
+    def hidden(self) -> int:
+        """How many sampler proposals repeated a measured program: told the earlier result, not run, not shown."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        return sum(t.user_attrs.get(ATTR_ROLE) == ROLE_DUPLICATE for t in trials)
+
+    @retrying
     def span_s(self) -> float:
         """Seconds from the first finished trial's start to the last one's end, on whichever machines: how long
         the study took, with workers that ran side by side counted once."""
