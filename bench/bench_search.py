@@ -10,7 +10,7 @@ Runner: warm-up steps, timed steps, per-step losses, each loss-gated against the
    baseline runs around it; the oracle is the fastest configuration that passes the gate;
 2. ``autotune search`` on the script with its default budget (no --trials, no --time-budget), as a user runs it;
    the chosen knobs, its wall time and number of runs are read from the autotune.yaml it writes;
-3. baseline, compile alone, everything on (the search space's start configuration), tuned and the oracle's best,
+3. baseline, compile alone, everything on (the start configuration the search begins from), tuned and the oracle's best,
    measured side by side in ``--rounds`` rounds, each in a rotating order; each speedup is the median over the
    rounds of the ratio to that round's baseline run.
 
@@ -55,6 +55,7 @@ from autotune.search.search import (  # noqa: E402
     MIN_TIMEOUT_S,
     TIMEOUT_FACTOR,
     local_speedups,
+    start_of,
 )
 from autotune.search.space import build_space, config_key, read_space  # noqa: E402
 from autotune.search.study import ROLE_BASELINE, ROLE_SEARCH  # noqa: E402
@@ -318,13 +319,9 @@ def read_search(path: Path, command: str, wall: float | None = None) -> SearchRu
 
 
 def start_config(bench: Bench) -> tuple[dict[str, Any], str]:
-    """Everything on: the search space's declared start configuration, or each grid knob's last choice."""
-    start = getattr(read_space(bench.device), "start", None)
-    if start:
-        return {k: v for k, v in start.items() if k in bench.space.choices}, f"search_spaces/{bench.device}.yaml start"
-    grid = bench.fixture.grid[bench.device]
-    return ({k: choices[-1] for k, choices in grid.items()},
-            f"search_spaces/{bench.device}.yaml declares no start: yet, so each grid knob's last choice")
+    """Everything on: the start configuration the search begins from (the space file's, as the search adjusts it)."""
+    start, _ = start_of(bench.device, read_space(bench.device), False)
+    return {k: v for k, v in start.items() if k in bench.space.choices}, f"search_spaces/{bench.device}.yaml start"
 
 
 # --- side by side -----------------------------------------------------------------------------------------------
