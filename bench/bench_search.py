@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -265,10 +265,30 @@ def measure_grid(bench: Bench, grid: Mapping[str, Sequence[Any]], repeat: int, s
     return points
 
 
+def ranked(points: Sequence[GridPoint]) -> list[GridPoint]:
+    """The grid configurations that passed the gate in every repeat and beat the baseline, fastest first."""
+    return sorted((p for p in points if p.passed and p.speedup and p.speedup > 1.0), key=lambda p: -p.speedup)
+
+
 def oracle_of(points: Sequence[GridPoint]) -> GridPoint | None:
     """The fastest grid configuration that passed the gate in every repeat (None: nothing beat the baseline)."""
-    ok = [p for p in points if p.passed and p.speedup and p.speedup > 1.0]
-    return max(ok, key=lambda p: p.speedup) if ok else None
+    return next(iter(ranked(points)), None)
+
+
+def fastest_of_top(rows: Mapping[str, Row]) -> dict[str, Row]:
+    """``rows`` with "oracle" given to the fastest gate-passing one of the grid's top configurations in the rounds.
+
+    (One grid pass on a noisy machine ranks near-equal configurations by chance; the rounds measure them again.)
+    """
+    top = [n for n in rows if n == "oracle" or n.startswith("grid #")]
+    ok = [n for n in top if rows[n].gate == "ok" and rows[n].speedup is not None]
+    best = max(ok, key=lambda n: rows[n].speedup, default="oracle")
+    if best == "oracle":
+        return dict(rows)
+    out = {n: r for n, r in rows.items() if n not in ("oracle", best)}
+    out["oracle"] = replace(rows[best], name="oracle")
+    out[best] = replace(rows["oracle"], name=best)
+    return out
 
 
 # --- the search ------------------------------------------------------------------------------------------------
@@ -482,8 +502,13 @@ def bench_script(key: str, args: argparse.Namespace, base: Path, console: Consol
         if search.config is not None:
             contenders["tuned"] = search.config
         contenders["oracle"] = best.config if best else {}
+        for i, p in enumerate(ranked(points)[1 : args.oracle_top], start=2):
+            contenders[f"grid #{i}"] = p.config
         console.print(f"  side by side: {args.rounds} rounds", highlight=False)
-        rows = side_by_side(bench, contenders, args.rounds)
+        rows = fastest_of_top(side_by_side(bench, contenders, args.rounds))
+        if args.oracle_top > 1:
+            notes.append(f"oracle: the fastest in the rounds of the grid's top {args.oracle_top} (grid #i: the grid's "
+                         "i-th fastest)")
     finally:
         bench.cleanup()
     load = (load_start, os.getloadavg())
@@ -503,7 +528,7 @@ def _span(s: tuple[float, float] | None) -> str:
 
 def table_rows(res: ScriptResult) -> list[list[str]]:
     out = []
-    for name in ROLES:
+    for name in [*ROLES, *sorted(n for n in res.rows if n not in ROLES)]:
         row = res.rows.get(name)
         if row is None:
             why = "no compile knob applies" if name == "compile alone" else res.search.verdict
@@ -571,6 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per trial (the search's default)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per trial (the search's default)")
     parser.add_argument("--grid-repeat", type=int, default=1, help="measurements of each grid configuration")
+    parser.add_argument("--oracle-top", type=int, default=1, metavar="K",
+                        help="measure the grid's K fastest in the rounds too; the oracle is the fastest there")
     parser.add_argument("--seed", type=int, default=0, help="seed of the grid's shuffled order")
     parser.add_argument("--out", type=Path, help="keep each search's output folder here, as OUT/<script>")
     parser.add_argument("--skip-search", action="store_true", help="reuse OUT/<script>/autotune.yaml of an earlier run")
@@ -582,8 +609,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "figures use none: the default budget)")
     parser.add_argument("--md", type=Path, help="also write the tables as Markdown to this file")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.grid_repeat < 1 or args.warmup < 1 or args.steps < 2:
-        return _usage("--rounds and --grid-repeat must be at least 1, --warmup at least 1 and --steps at least 2")
+    if min(args.rounds, args.grid_repeat, args.oracle_top, args.warmup) < 1 or args.steps < 2:
+        return _usage("--rounds, --grid-repeat, --oracle-top and --warmup must be at least 1, --steps at least 2")
     for flag in ("skip_search", "skip_grid", "grid_only"):
         if getattr(args, flag) and args.out is None:
             return _usage(f"--{flag.replace('_', '-')} needs --out DIR: the folder that keeps each script's grid and search")

@@ -27,6 +27,19 @@ def test_no_oracle_when_nothing_beats_the_baseline():
     assert bench_search.oracle_of([GridPoint({"a": 1}, (0.9,), True, "ok"), GridPoint({"a": 2}, (), True, "ok")]) is None
 
 
+def test_the_rounds_decide_among_the_grids_top_configurations():
+    Row = bench_search.Row
+    rows = {
+        "baseline": Row("baseline", {}, (), (1.0, 1.0), "ok"),
+        "oracle": Row("oracle", {"a": 1}, (), (1.2, 1.3), "ok"),
+        "grid #2": Row("grid #2", {"a": 2}, (), (1.5, 1.6), "ok"),  # second in the grid pass, first in the rounds
+        "grid #3": Row("grid #3", {"a": 3}, (), (2.0, 2.0), "diverged 1/2"),
+    }
+    got = bench_search.fastest_of_top(rows)
+    assert got["oracle"].config == {"a": 2} and got["grid #2"].config == {"a": 1}
+    assert got["grid #3"] == rows["grid #3"] and got["baseline"] == rows["baseline"]
+
+
 def test_grid_is_every_combination_of_the_declared_choices():
     grid = bench_search.grid_configs({"x": (0, 1, 2), "y": (False, True)})
     assert len(grid) == 6 and {"x": 2, "y": True} in grid and len({json.dumps(c) for c in grid}) == 6
@@ -66,7 +79,7 @@ def test_every_phase_runs_on_the_tiny_fixture(tmp_path):
     md = tmp_path / "bench.md"
     out = tmp_path / "out"
     argv = ["--scripts", "tiny", "--rounds", "1", "--steps", "3", "--warmup", "1", "--out", str(out), "--md", str(md),
-            "--search-arg=--trials=2", "--search-arg=--confirm=1"]
+            "--search-arg=--trials=2", "--search-arg=--confirm=1", "--oracle-top", "2"]
     assert bench_search.main(argv) == 0
     text = md.read_text()
     assert "### tiny on cpu" in text and "tuned / oracle = " in text
