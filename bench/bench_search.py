@@ -303,6 +303,7 @@ class SearchRun:
     runs: int | None
     verdict: str
     command: str
+    problem: str | None = None  # how the search failed after writing its outputs
 
 
 def run_search(bench: Bench, out: Path, args: argparse.Namespace) -> SearchRun:
@@ -320,11 +321,14 @@ def run_search(bench: Bench, out: Path, args: argparse.Namespace) -> SearchRun:
         except subprocess.TimeoutExpired:
             rc = None
     wall = time.monotonic() - started
-    if rc != 0:
-        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
-        why = f"exit status {rc}" if rc is not None else f"still running after {SEARCH_TIMEOUT_S:.0f}s"
-        return SearchRun(None, wall, None, f"the search failed ({why}): {' '.join(tail)}", shown)
-    return read_search(out / "autotune.yaml", shown, wall)
+    if rc == 0:
+        return read_search(out / "autotune.yaml", shown, wall)
+    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+    why = f"exit status {rc}" if rc is not None else f"still running after {SEARCH_TIMEOUT_S:.0f}s"
+    problem = f"the search failed ({why}): {' '.join(tail)}"
+    if rc is not None and (out / "autotune.yaml").is_file():  # it failed after choosing: what it chose still counts
+        return replace(read_search(out / "autotune.yaml", shown, wall), problem=f"{problem}, after writing its outputs")
+    return SearchRun(None, wall, None, problem, shown)
 
 
 def read_search(path: Path, command: str, wall: float | None = None) -> SearchRun:
@@ -490,6 +494,8 @@ def bench_script(key: str, args: argparse.Namespace, base: Path, console: Consol
             search = read_search(out / "autotune.yaml", f"(reused {out / 'autotune.yaml'})")
         else:
             search = run_search(bench, out, args)
+        if search.problem:
+            notes.append(search.problem)
         console.print(f"  search: {search.runs} runs, {search.wall_s or 0:.0f}s: "
                       f"{bench.changed(search.config) if search.config is not None else search.verdict}",
                       highlight=False)

@@ -1,8 +1,11 @@
 """bench/bench_search.py keeps running: its phases end to end on the tiny fixture, its oracle and its bad input."""
 
+import argparse
 import importlib.util
 import json
+import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO
@@ -38,6 +41,35 @@ def test_the_rounds_decide_among_the_grids_top_configurations():
     got = bench_search.fastest_of_top(rows)
     assert got["oracle"].config == {"a": 2} and got["grid #2"].config == {"a": 1}
     assert got["grid #3"] == rows["grid #3"] and got["baseline"] == rows["baseline"]
+
+
+def _fake_search(monkeypatch, tmp_path, writes_yaml: bool):
+    """A search subprocess that exits 1, after writing its autotune.yaml or not."""
+
+    def fake_run(cmd, **kw):
+        out = tmp_path / "tiny"
+        if writes_yaml:
+            out.mkdir()
+            (out / "autotune.yaml").write_text("knobs: {gc.freeze: true}\nsearch: {runs: 7, wall_s: 12.0}\n")
+        kw["stdout"].write(b"Traceback (most recent call last):\nAttributeError: boom\n")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(bench_search.subprocess, "run", fake_run)
+    bench = SimpleNamespace(script=REPO / "fixtures/search/tiny.py", device="cpu", script_args=(),
+                            console=SimpleNamespace(print=lambda *a, **k: None))
+    args = argparse.Namespace(steps=3, warmup=1, search_arg=[])
+    return bench_search.run_search(bench, tmp_path / "tiny", args)
+
+
+def test_a_search_that_fails_after_choosing_still_counts_with_its_failure_noted(monkeypatch, tmp_path):
+    got = _fake_search(monkeypatch, tmp_path, writes_yaml=True)
+    assert got.config == {"gc.freeze": True} and got.runs == 7
+    assert "exit status 1" in got.problem and "AttributeError: boom" in got.problem
+
+
+def test_a_search_that_fails_before_choosing_has_no_tuned_configuration(monkeypatch, tmp_path):
+    got = _fake_search(monkeypatch, tmp_path, writes_yaml=False)
+    assert got.config is None and "exit status 1" in got.verdict
 
 
 def test_grid_is_every_combination_of_the_declared_choices():
