@@ -5,17 +5,20 @@
 For each script, three phases, every run a real trial (the patched script in a subprocess under autotune's own
 Runner: warm-up steps, timed steps, per-step losses, each loss-gated against the baseline's):
 
-1. the oracle: every configuration of the grid over the script's most important knobs (``GRIDS``), in a shuffled
-   order with a baseline run after every few, each judged by the same gate a search uses and timed against the
-   baseline runs around it; the oracle is the fastest configuration that passes the gate;
+1. the oracle: every configuration of the grid over the script's most important knobs (``FIXTURES``), in a
+   shuffled order with a baseline run after every few, each judged by the same gate a search uses and timed
+   against the baseline runs around it; the oracle is the fastest configuration that passes the gate (with
+   ``--oracle-top K``, the fastest in the rounds of phase 3 among the grid's K fastest);
 2. ``autotune search`` on the script with its default budget (no --trials, no --time-budget), as a user runs it;
    the chosen knobs, its wall time and number of runs are read from the autotune.yaml it writes;
-3. baseline, compile alone, everything on (the start configuration the search begins from), tuned and the oracle's best,
-   measured side by side in ``--rounds`` rounds, each in a rotating order; each speedup is the median over the
+3. baseline, compile alone, everything on (the start configuration the search begins from), tuned and the
+   oracle, side by side in ``--rounds`` rounds, each in a rotating order; each speedup is the median over the
    rounds of the ratio to that round's baseline run.
 
 It prints a table per script and ``tuned / oracle = X.XX (range)``, the search's wall time and runs and the load
-average around the script, and with ``--md`` writes the same tables as Markdown for docs/benchmarks.md.
+average around the script, and with ``--md`` writes the same tables as Markdown for docs/benchmarks.md. With
+``--out DIR`` the grid (``--grid-only``, reused by ``--skip-grid``) and the search (reused by ``--skip-search``) are
+kept, so that the phases can run at different times.
 """
 
 from __future__ import annotations
