@@ -19,7 +19,7 @@ from autotune.files import write_file
 from autotune.patch import CONFIG_NAME
 from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
-from autotune.search.search import SearchOutcome, train_time
+from autotune.search.search import SearchOutcome, is_baseline_run, train_time
 from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
@@ -177,7 +177,7 @@ def _baseline_reason(o: SearchOutcome) -> str:
             f"{changed_text(best.config, o.space.baseline())}, {o.speedups[best.number]:.3f}x); "
             "a search that runs to its end confirms it"
         )
-    return "the baseline wins: no configuration was faster than the baseline runs around it"
+    return "the baseline wins: no configuration was faster than the baseline runs before it"
 
 
 def write_outputs(o: SearchOutcome) -> Written:
@@ -307,7 +307,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
                     str(r.status),
                     f"{r.throughput:.2f}" if r.throughput else "-",
                     f"{r.samples_per_s:.0f}" if r.samples_per_s else "-",
-                    speed_text(o.speedups.get(r.number)) if r.number in o.speedups else "",
+                    speed_text(o.speedups.get(r.number)) if r.number in o.speedups and not is_baseline_run(r) else "",
                     f"{train_time(r, 0, o.options.warmup):.1f}s" if r.measured and r.warmup_s is not None else "-",
                     dev_text(r) + (f" (tol {r.tolerance:.1e})" if r.tolerance else ""),
                     mib(r.peak_memory),
@@ -373,7 +373,7 @@ class PlotRow:
 
     label: str  # the knobs it changes
     status: str  # "ok", "diverged" (losses outside the gate) or how it failed
-    search: tuple[float, ...]  # speedup of each of its search runs over the baseline runs around it
+    search: tuple[float, ...]  # speedup of each of its search runs (over the last 3 baseline runs when it ended)
     pairs: tuple[float, ...] = ()  # its A/B confirmation ratios
     accepted: bool = False  # the confirmation held
     winner: bool = False
@@ -598,7 +598,7 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     from matplotlib.lines import Line2D
 
     legend = [
-        Line2D([], [], marker="o", linestyle="", color="tab:blue", label="search run (vs baseline runs around it)"),
+        Line2D([], [], marker="o", linestyle="", color="tab:blue", label="search run (vs the last 3 baseline runs)"),
         Line2D([], [], marker="|", linestyle="-", color="tab:green", label="A/B confirmation pairs, median \u2666/\u2605"),
         Line2D([], [], marker="o", linestyle="", markerfacecolor="none", color="tab:orange", label="losses differ (diverged)"),
     ]

@@ -471,7 +471,7 @@ class Search:
             plan=self.plan,
             labels={r.number: label(self.canonical(r.config), self.space) for r in results if r.number is not None},
             interactions=self._interactions(winner.config) if winner else (),
-            startup=self._startup(winner.config, machine) if winner else None,
+            startup=self._startup(winner) if winner else None,
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
         )
@@ -500,11 +500,12 @@ class Search:
                 out.append(f"{knob.name}={config[knob.name]}: " + "; ".join(parts))
         return tuple(out)
 
-    def _startup(self, config: Mapping[str, Any], machine: str) -> str | None:
-        """The chosen configuration's one-time start-up beyond the baseline's (compilation) and when it pays off."""
-        runs = [r for r in self.results if r.measured and r.machine == machine and self.program(r.config) == self.program(config)]
-        base = self._baselines(machine)
-        if not runs or not base or not self._compiles(config):
+    def _startup(self, winner: Confirmation) -> str | None:
+        """The chosen configuration's one-time start-up beyond the baseline's (compilation) and when it pays off,
+        from its A/B pairs: the runs the verdict rests on."""
+        runs = [r for r in winner.candidate if r.measured]
+        base = [r for r in winner.baseline if r.measured]
+        if not runs or not base or not self._compiles(winner.config):
             return None
         w = self.o.warmup
         extra = statistics.median(train_time(r, 0, w) for r in runs) - statistics.median(train_time(b, 0, w) for b in base)
