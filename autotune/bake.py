@@ -11,11 +11,14 @@ import yaml
 from autotune import files
 from autotune.analysis import Project
 from autotune.errors import UsageError
+from autotune.inputs import load_yaml_file, shown
+from autotune.knobs import checked
 from autotune.patch import CONFIG_NAME, PatchResult, run, select, write_files
 from autotune.patch import check_out_dir as check_project_out_dir
 from autotune.transform import Mode, all_knobs
 
 DIFF_NAME = "tuned.diff"
+DEVICES = ("cpu", "cuda")
 
 
 def read_config(path: Path) -> tuple[dict[str, Any], str | None]:
@@ -24,39 +27,30 @@ def read_config(path: Path) -> tuple[dict[str, Any], str | None]:
     Takes the ``autotune.yaml`` that search and patch write as well as a hand-written one.
     """
     where = str(path)
-    try:
-        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"{where}: cannot read the config: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{where}: the config is not UTF-8 text") from None
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UsageError(f"{where}: not valid YAML: {problem}") from None
+    doc = load_yaml_file(Path(path), "a knob config")
     if not isinstance(doc, dict) or not isinstance(doc.get("knobs"), dict):
         raise UsageError(f"{where}: expected a mapping with 'knobs:' (knob name -> value)")
     device = doc.get("device")
-    if device is not None and device not in ("cpu", "cuda"):
-        raise UsageError(f"{where}: device must be cpu or cuda, not {device!r}")
-    known = all_knobs()
-    values: dict[str, Any] = {}
-    for name, spec in doc["knobs"].items():
-        value = spec.get("value", spec.get("default")) if isinstance(spec, dict) else spec
-        knob = known.get(name)
-        if knob is None:
-            raise UsageError(f"{where}: unknown knob '{name}' (known: {', '.join(sorted(known))})")
-        if value not in knob.choices:
-            raise UsageError(f"{where}: knob '{name}' has no choice {value!r} (choices: {', '.join(map(repr, knob.choices))})")
-        values[name] = value
-    return values, device
+    if device is not None and (type(device) is not str or device not in DEVICES):
+        raise UsageError(f"{where}: device must be cpu or cuda, not {shown(device)}")
+    values = {
+        name: spec.get("value", spec.get("default")) if isinstance(spec, dict) else spec
+        for name, spec in doc["knobs"].items()
+    }
+    return checked(values, all_knobs(), where), device
 
 
 def bake(project: Project, values: Mapping[str, Any], device: str) -> PatchResult:
-    """The project's files with ``values`` written in; a knob at its default changes nothing."""
-    unknown = sorted(set(values) - set(all_knobs()))
-    if unknown:
-        raise UsageError(f"unknown knob(s): {', '.join(unknown)}")
-    return run(project, select(), Mode(values=dict(values), device=device), hooks=False)
+    """The project's files with ``values`` written in; a knob at its default changes nothing.
+
+    ``values`` may come from a study anyone with access to its storage can edit: each must be a declared choice.
+    """
+    values = checked(values, all_knobs(), "the knob values to bake")
+    # the device is written into code too (autocast's device_type): the declared constant, never the value given
+    device = next((d for d in DEVICES if type(device) is str and d == device), None)
+    if device is None:
+        raise UsageError(f"the device to bake for must be cpu or cuda, not {shown(device)}")
+    return run(project, select(), Mode(values=values, device=device), hooks=False)
 
 
 def check_out_dir(out: Path, project: Project, names: Iterable[str] = ()) -> Path:

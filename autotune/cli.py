@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -50,6 +51,17 @@ class _Parser(argparse.ArgumentParser):
             self.error(f"unrecognized arguments: {' '.join(extra)} (arguments for the script go after --)")
         ns.script_args = args[cut + 1 :]
         return ns, extra
+
+
+def _finite(text: str) -> float:
+    """A float argument that is a number: nan and inf are refused (a nan timeout never fires)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
+    return value
 
 
 def _split_list(value: str | None) -> list[str]:
@@ -294,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most N distinct configurations, baseline included; past the descent's end the sampler adds more",
     )
     search.add_argument(
-        "--time-budget", type=float, metavar="S",
+        "--time-budget", type=_finite, metavar="S",
         help="seconds for the whole command, confirmation included (default 900 when --trials is not given either)",
     )
     search.add_argument(
@@ -311,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument("--study-name", metavar="NAME", help="study name (default: script name + fingerprint)")
     search.add_argument("--space", metavar="FILE", help="search space YAML (default: the bundled one for the device)")
-    search.add_argument("--rtol", type=float, metavar="X", help="relative loss tolerance for every non-default knob")
-    search.add_argument("--timeout", type=float, metavar="S", help="seconds before a trial is killed (default: auto)")
+    search.add_argument("--rtol", type=_finite, metavar="X", help="relative loss tolerance for every non-default knob")
+    search.add_argument("--timeout", type=_finite, metavar="S", help="seconds before a trial is killed (default: auto)")
     search.add_argument("--confirm", type=int, default=5, metavar="N", help="A/B pairs that confirm the winner (default 5)")
     search.add_argument(
         "--launcher",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from autotune.errors import UsageError
+from autotune.inputs import shown
 
 
 class Numerics(str, Enum):
@@ -36,9 +40,45 @@ class Knob:
     compiles: bool = False
 
     def __post_init__(self) -> None:
-        if self.default not in self.choices:
+        if self.choice(self.default) is NO_CHOICE:
             raise ValueError(f"knob {self.name}: default {self.default!r} not in {self.choices!r}")
+
+    def choice(self, value: Any) -> Any:
+        """The declared choice equal to ``value`` in type and value (2.0 is not 2, True is not 1), else ``NO_CHOICE``.
+
+        Code is written from the declared choice, never from the value given, which may come from a file.
+        """
+        return next((c for c in self.choices if type(c) is type(value) and c == value), NO_CHOICE)
 
     @property
     def transform(self) -> str:
         return self.name.split(".", 1)[0]
+
+
+NO_CHOICE = object()  # Knob.choice: no such choice (None could one day be a choice)
+
+
+def checked(values: Mapping[Any, Any], known: Mapping[str, Knob], where: str) -> dict[str, Any]:
+    """``values`` with each value replaced by the knob's declared choice; an unknown knob or value is a UsageError.
+
+    Every path that takes knob values from outside (a config, a search space, a study, the runtime) comes here.
+    """
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        knob = knob_named(name, known, where)
+        choice = knob.choice(value)
+        if choice is NO_CHOICE:
+            raise UsageError(
+                f"{where}: knob '{name}' has no choice {shown(value)} ({type(value).__name__}; "
+                f"choices: {', '.join(map(repr, knob.choices))})"
+            )
+        out[name] = choice
+    return out
+
+
+def knob_named(name: Any, known: Mapping[str, Knob], where: str) -> Knob:
+    """The knob called ``name``; an unknown one is a UsageError that lists the known ones."""
+    knob = known.get(name) if isinstance(name, str) else None
+    if knob is None:
+        raise UsageError(f"{where}: unknown knob {shown(name)} (known: {', '.join(sorted(known))})")
+    return knob

@@ -20,6 +20,7 @@ from autotune.analysis import (
     Project,
     StepScope,
     TrainingLoop,
+    deep,
     load_project,
     no_gc,
     source_lines,
@@ -44,7 +45,7 @@ class FileChange:
 
     @property
     def changed(self) -> bool:
-        return self.new_text != self.facts.source
+        return self.new_text != self.facts.text
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class PatchResult:
             if f.changed:
                 chunks.extend(
                     difflib.unified_diff(
-                        source_lines(f.facts.source, keepends=True),
+                        source_lines(f.facts.text, keepends=True),
                         source_lines(f.new_text, keepends=True),
                         f"{old_prefix}{under}{f.rel.as_posix()}",
                         f"{new_prefix}{under}{f.rel.as_posix()}",
@@ -100,6 +101,10 @@ def run(
 
     ``hooks=False`` leaves out the trial step hook, so a transform's fixture shows only its own edits.
     """
+    return deep(_run_no_gc, project, transforms, mode, hooks)
+
+
+def _run_no_gc(project: Project, transforms: list[type[Transform]] | None, mode: Mode, hooks: bool) -> PatchResult:
     with no_gc():
         return _run(project, transforms, mode, hooks)
 
@@ -160,7 +165,8 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
             stale = _stale_imports(facts, new_text) if not mode.gated and new_text != facts.source else set()
             if stale:  # baked code is read and kept by people: an import only the replaced code used goes too
                 new_text, check = _code(facts, _drop_imports(module, stale))
-        if new_text != facts.source:
+        new_text = facts.bom + new_text  # Python runs a file with a BOM: the copy keeps it
+        if new_text != facts.text:
             try:
                 compile(check, facts.display, "exec")
             except SyntaxError as exc:  # a transform bug, never the user's: say which file and line

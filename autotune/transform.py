@@ -14,7 +14,9 @@ from typing import Any, ClassVar
 import libcst as cst
 
 from autotune.analysis import RUNTIME_ALIAS, ModuleFacts, Project
-from autotune.knobs import NUMERICS_ORDER, Knob, Numerics
+from autotune.errors import UsageError
+from autotune.inputs import shown
+from autotune.knobs import NO_CHOICE, NUMERICS_ORDER, Knob, Numerics
 
 
 class Status(str, Enum):
@@ -58,8 +60,12 @@ class Mode:
         return self.values is None
 
     def value(self, knob: Knob) -> Any:
+        """The declared choice to write for ``knob``: code is never written from a value that is not one."""
         assert self.values is not None, "value() is for baking"
-        return self.values.get(knob.name, knob.default)
+        choice = knob.choice(self.values.get(knob.name, knob.default))
+        if choice is NO_CHOICE:
+            raise UsageError(f"knob '{knob.name}' has no choice {shown(self.values[knob.name])}")
+        return choice
 
 
 Rewrite = Callable[[Any], Any]

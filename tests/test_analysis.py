@@ -199,3 +199,148 @@ def test_star_imports_resolve_through_a_package(tmp_path):
     project = load_project(tmp_path / "train.py")
     calls = project.entry.calls
     assert [project.entry.qualname(c.func) for c in calls] == ["models.resnet.ResNet18", "ResNet"]  # not in __all__
+
+
+# --- what Python accepts, autotune handles ------------------------------------------------------------------
+
+
+def _python_compiles(source: str) -> bool:
+    """Whether ``python script.py`` would compile ``source``: compile() at the default limit, in a fresh thread."""
+    import threading
+
+    ok = []
+    thread = threading.Thread(target=lambda: ok.append(_compile(source)))
+    thread.start()
+    thread.join()
+    return ok[0]
+
+
+def _compile(source: str) -> bool:
+    try:
+        compile(source, "x.py", "exec")
+    except (SyntaxError, RecursionError, MemoryError):
+        return False
+    return True
+
+
+TINY = REPO / "fixtures/search/tiny.py"
+DEEP = {
+    "sum-1000": "X = " + "+".join(["1"] * 1000),  # the issue's case
+    "sum-2900": "X = " + "+".join(["1"] * 2900),
+    "attribute-2900": "X = a" + ".b" * 2900,  # the issue's case
+    "call-chain-2900": "X = a" + "()" * 2900,
+    "negation-2900": "X = " + "-" * 2900 + "1",
+    "in-the-loop": "loss = " + " + ".join(["0 * x.sum()"] * 900) + " + nn.functional.mse_loss(model(x), y)",
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEEP))
+def test_any_depth_python_compiles_is_scanned_patched_and_baked(case: str, tmp_path: Path):
+    from autotune.bake import bake
+    from autotune.patch import run, select
+
+    line = DEEP[case]
+    text = TINY.read_text()
+    if case == "in-the-loop":  # the deep expression is the loss: patch and bake rewrite around it
+        text = text.replace("        loss = nn.functional.mse_loss(model(x), y)\n", f"        {line}\n")
+    else:
+        text += f"\n{line}\n"
+    assert _python_compiles(text)
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    project = load_project(script)
+    assert len(project.loops) == 1
+    patched = run(project, select())
+    assert patched.changed and line in patched.files[0].new_text
+    baked = bake(project, {"gc.freeze": True}, "cpu")
+    assert "gc.freeze()" in baked.files[0].new_text and line in baked.files[0].new_text
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["X = " + "+".join(["1"] * 4000), "X = a" + ".b" * 4000, "X = " + "-" * 30000 + "1"],
+    ids=["sum-4000", "attribute-4000", "negation-30000"],
+)
+def test_deeper_than_python_compiles_is_one_line_exit_2(line: str, tmp_path: Path, capsys):
+    from autotune.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text() + f"\n{line}\n")
+    assert not _python_compiles(script.read_text())
+    assert main(["scan", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"autotune: error: {script}:1:1: nested too deeply (Python cannot compile it either)"
+
+
+def test_the_recursion_limit_is_as_it_was_after_loading():
+    import sys
+
+    before = sys.getrecursionlimit()
+    load_project(TINY)
+    assert sys.getrecursionlimit() == before
+
+
+# --- files ---------------------------------------------------------------------------------------------------
+
+
+def test_a_utf8_bom_is_accepted_and_kept_in_every_file_written(tmp_path: Path):
+    from autotune.cli import main
+
+    bom = "\ufeff"
+    (tmp_path / "helpers.py").write_text(bom + "SCALE = 1\n", encoding="utf-8")
+    (tmp_path / "train.py").write_text(bom + "import helpers\n" + TINY.read_text(), encoding="utf-8")
+    project = load_project(tmp_path / "train.py")
+    assert [m.modname for m in project.modules] == ["train", "helpers"]
+    assert project.entry.source.startswith("import helpers") and project.entry.position(project.loops[0].node)[0] == 23
+    assert main(["patch", str(tmp_path / "train.py"), "--out", str(tmp_path / "out")]) == 0
+    for name in ("train.py", "helpers.py"):  # changed and unchanged alike, the BOM once, at the start
+        written = (tmp_path / "out" / name).read_text(encoding="utf-8")
+        assert written.startswith(bom) and written.count(bom) == 1, name
+
+
+@pytest.mark.parametrize("init", ["", "  \n\n", "\n# nothing here\n"], ids=["empty", "whitespace", "comment"])
+def test_an_empty_package_init_is_a_module_like_any_other(init: str, tmp_path: Path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text(init)
+    (tmp_path / "pkg" / "model.py").write_text("WIDTH = 8\n")
+    (tmp_path / "train.py").write_text("from pkg import model\n" + TINY.read_text())
+    project = load_project(tmp_path / "train.py")
+    assert {m.modname for m in project.modules} == {"train", "pkg", "pkg.model"}
+
+
+def test_a_script_over_the_size_limit_is_refused(tmp_path: Path):
+    from autotune.analysis import MAX_SOURCE_BYTES
+    from autotune.errors import UsageError
+
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text() + "#" * MAX_SOURCE_BYTES)
+    with pytest.raises(UsageError, match="larger than 16 MiB"):
+        load_project(script)
+
+
+def test_a_relative_import_beyond_the_top_reads_nothing_outside_the_project(tmp_path: Path):
+    project_dir = tmp_path / "proj"
+    project_dir.mkdir()
+    (tmp_path / "proj.py").write_text("this file is outside the project and not Python\n")
+    (project_dir / "train.py").write_text("from . import helpers\nfrom .. import other\n" + TINY.read_text())
+    (project_dir / "helpers.py").write_text("X = 1\n")
+    project = load_project(project_dir / "train.py")
+    assert [m.path for m in project.modules] == [(project_dir / "train.py").resolve()]
+
+
+def test_a_module_linked_from_outside_the_project_is_not_local(tmp_path: Path):
+    from autotune.cli import main
+
+    outside = tmp_path / "shared"
+    outside.mkdir()
+    (outside / "helpers.py").write_text("SCALE = 1\n")
+    project_dir = tmp_path / "proj"
+    project_dir.mkdir()
+    (project_dir / "helpers.py").symlink_to(outside / "helpers.py")
+    (project_dir / "train.py").write_text("import helpers\n" + TINY.read_text())
+    project = load_project(project_dir / "train.py")
+    assert [m.modname for m in project.modules] == ["train"]
+    config = tmp_path / "c.yaml"
+    config.write_text("knobs: {gc.freeze: true}\n")
+    assert main(["bake", str(project_dir / "train.py"), "--config", str(config), "--out", str(tmp_path / "out")]) == 0
+    assert (outside / "helpers.py").read_text() == "SCALE = 1\n" and not (tmp_path / "out" / "helpers.py").exists()

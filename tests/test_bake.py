@@ -14,6 +14,7 @@ from autotune.bake import bake, read_config
 from autotune.cli import main
 from autotune.errors import UsageError
 from autotune.patch import run, select, write_outputs
+from autotune.transform import Mode
 from autotune.search.space import read_space
 from loss_probe import run_probe
 
@@ -91,15 +92,22 @@ def test_bake_reads_a_search_or_patch_autotune_yaml(tmp_path):
         ("knobs:\n  gc.froze: true\n", "unknown knob 'gc.froze'"),
         ("knobs:\n  gc.freeze: perhaps\n", "has no choice 'perhaps'"),
         ("device: tpu\nknobs: {}\n", "device must be cpu or cuda"),
+        ("knobs:\n  dataloader.num_workers: 2.0\n", "has no choice 2.0 (float;"),
+        ("knobs:\n  dataloader.num_workers: true\n", "has no choice True (bool;"),
+        ("knobs:\n  compile.dynamic: 1\n", "has no choice 1 (int;"),
+        ("knobs:\n  compile.mode: 'default\"); import os; os.system(\"id'\n", "has no choice 'default\")"),
+        ("knobs:\n  gc.freeze: " + "x" * 100_000 + "\n", "has no choice 'xxx"),
+        (b"knobs: {gc.freeze: \xff}\n", "is not UTF-8 text"),
     ],
-    ids=["yaml", "no-knobs", "unknown", "bad-choice", "bad-device"],
+    ids=["yaml", "no-knobs", "unknown", "bad-choice", "bad-device", "float-for-int", "bool-for-int", "int-for-bool",
+         "code", "huge-value", "not-utf8"],
 )
 def test_bake_bad_config_is_one_line_exit_2(text, message, tmp_path, capsys):
     config = tmp_path / "c.yaml"
-    config.write_text(text)
+    config.write_bytes(text) if isinstance(text, bytes) else config.write_text(text)
     assert main(["bake", str(TINY), "--config", str(config), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert message in err and len(err.splitlines()) == 1 and "x" * 200 not in err  # a value from the file is cut short
     assert not (tmp_path / "o").exists()
 
 
@@ -223,3 +231,49 @@ def test_baked_imports_go_among_the_scripts_own():
     (baked,) = bake(load_project(TINY), {"gc.freeze": True}, "cpu").files
     docstring, imports = baked.new_text.split("\n\n")[:2]
     assert docstring.startswith('"""A tiny regression MLP') and imports == "import argparse\nimport gc"
+
+
+class _Sly(str):
+    """A string equal to a declared choice that writes itself as code: only the declared choice may be written."""
+
+    def __str__(self) -> str:
+        return 'default"); import os; os.system("id'
+
+    __format__ = lambda self, spec: str(self)  # noqa: E731
+    __repr__ = __str__
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"compile.mode": 'default"); import os; os.system("id'},
+        {"compile.mode": _Sly("default")},
+        {"dataloader.num_workers": 2.0},
+        {"dataloader.num_workers": True},
+        {"compile.dynamic": 1},
+        {"gc.freeze": "True"},
+    ],
+    ids=["code", "str-subclass", "float-for-int", "bool-for-int", "int-for-bool", "str-for-bool"],
+)
+def test_bake_writes_code_only_from_a_declared_choice(values):
+    # a study's chosen configuration reaches bake() as it is stored: anyone who can write to the study can edit it
+    project = load_project(SCRIPTS / "cnn.py")
+    with pytest.raises(UsageError, match="has no choice"):
+        bake(project, values, "cpu")
+    with pytest.raises(UsageError, match="has no choice"):  # the transforms' own way to a value refuses it too
+        run(project, select(), Mode(values=values, device="cpu"), hooks=False)
+
+
+def test_bake_writes_the_device_only_as_declared():
+    project = load_project(SCRIPTS / "cnn.py")
+    with pytest.raises(UsageError, match="must be cpu or cuda"):
+        bake(project, {"autocast.dtype": "bf16"}, 'cuda"); import os; os.system("id')
+
+
+def test_bake_writes_the_declared_object_for_an_equal_value():
+    project = load_project(SCRIPTS / "cnn.py")
+    mode = "max-autotune"
+    equal = "".join(["max-", "autotune"])  # equal, not the same object
+    assert equal is not mode
+    baked = bake(project, {"compile.mode": equal}, "cpu")
+    assert 'compile(mode="max-autotune")' in baked.files[0].new_text

@@ -112,7 +112,7 @@ def test_patch_of_an_entry_in_scripts_lays_out_the_project_and_says_how_to_run_i
     out = in_tmp / "out"
     files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     assert files == {"scripts/__init__.py", "scripts/train.py", "scripts/autotune.yaml", "mypkg/__init__.py",
-                     "mypkg/model.py", "mypkg/data.py", "patch.diff"}
+                     "mypkg/model.py", "mypkg/data.py", "patch.diff", ".autotune-out"}
     assert "run it with: cd out && python -m scripts.train" in " ".join(capsys.readouterr().out.split())
 
 

@@ -54,8 +54,13 @@ def test_bundled_cpu_space_leaves_out_cuda_only_knobs():
         ("knobs:\n  gc.freeze: [false, maybe]\n", "has no choice 'maybe'"),
         ("knobs:\n  gc.freeze: [false, true]\nothers: some\n", "'others' must be"),
         ("knobs:\n  gc.freeze: [false, true]\nextra: 1\n", "expected 'knobs:'"),
+        ("knobs:\n  dataloader.num_workers: [0, 2.0]\n", "has no choice 2.0 (float;"),
+        ("knobs:\n  dataloader.num_workers: [0, true]\n", "has no choice True (bool;"),
+        ("knobs:\n  compile.dynamic: [default, 1]\n", "has no choice 1 (int;"),
+        ("knobs:\n  gc.freeze: [false, true]\nothers: [all]\n", "'others' must be"),
     ],
-    ids=["yaml", "not-a-mapping", "unknown-knob", "empty", "not-a-list", "bad-choice", "bad-others", "extra-key"],
+    ids=["yaml", "not-a-mapping", "unknown-knob", "empty", "not-a-list", "bad-choice", "bad-others", "extra-key",
+         "float-for-int", "bool-for-int", "int-for-bool", "others-not-a-string"],
 )
 def test_bad_space_file_is_one_line_usage_error(text, message):
     with pytest.raises(UsageError) as err:
@@ -270,7 +275,7 @@ def test_search_bad_space_file(capsys, tmp_path):
     assert rc == 2 and len(err.splitlines()) == 1
     assert f"{space}: knob 'gc.freeze' has no choice 'sometimes'" in err
     rc, err = _cli(["search", str(TINY), "--out", str(tmp_path / "out"), "--space", str(tmp_path / "nope.yaml")], capsys)
-    assert rc == 2 and "cannot read the search space" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "nope.yaml: no such file" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 
@@ -491,3 +496,72 @@ def test_matplotlib_is_a_dependency_so_the_first_search_draws_its_plot():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert any(d.startswith("matplotlib") for d in project["dependencies"])
     assert "plot" in project["optional-dependencies"]  # `pip install -e ".[plot]"` of older instructions still works
+
+
+def test_space_choices_are_the_declared_objects():
+    space = parse_space("knobs:\n  compile.dynamic: [default, true, true]\n", "space.yaml")
+    declared = all_knobs()["compile.dynamic"].choices
+    assert space.choices["compile.dynamic"] == ("default", True)
+    assert all(any(c is d for d in declared) for c in space.choices["compile.dynamic"])
+
+
+@pytest.mark.parametrize(
+    "choices",
+    [["none", 'default"); import os; os.system("id'], ["none", 1.0], "none"],
+    ids=["code", "wrong-type", "not-a-list"],
+)
+def test_a_study_space_is_checked_like_a_space_file(choices):
+    # the search space a study stores is read back by autotune report: anyone who can write to the study can edit it
+    from autotune.search.space import restore_space
+
+    knobs = [all_knobs()["compile.mode"]]
+    with pytest.raises(UsageError, match="the study's search space"):
+        restore_space(knobs, "cpu", {"compile.mode": choices}, {})
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--time-budget", "--rtol"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_number_that_is_not_finite_is_refused(option, value, tmp_path, capsys):
+    tiny = Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py"
+    assert main(["search", str(tiny), f"{option}={value}", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"autotune: error: argument {option}: expected a finite number, not '{value}'"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field", ["timeout", "time_budget"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_search_refuses_a_time_that_is_not_finite(field, value, tmp_path):
+    from autotune.search.search import Search, SearchOptions
+
+    tiny = Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py"
+    options = SearchOptions(script=tiny, out=tmp_path / "out", **{field: value})
+    with pytest.raises(UsageError, match="must be a positive number of seconds"):
+        Search(options, display=None)
+
+
+def test_report_refuses_a_study_whose_space_was_edited_to_hold_code(tmp_path, capsys):
+    # anyone who can write to a shared study's storage can edit what it says was searched
+    from autotune.search.live import QuietDisplay
+    from autotune.search.search import Search, SearchOptions, fingerprint
+    from autotune.search.space import SearchSpace
+    from autotune.search.study import STUDY_ABOUT, STUDY_FINGERPRINT, StudyStore, open_storage
+
+    script = tmp_path / "train.py"
+    script.write_text((Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py").read_text())
+    space = tmp_path / "space.yaml"
+    space.write_text("knobs: {compile.mode: [none, default]}\n")
+    search = Search(SearchOptions(script=script, out=tmp_path / "out", space=space, study_name="s"), QuietDisplay())
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    store = StudyStore(open_storage(url), "s", machine="m (cpu)")
+    store.adopt(search.fingerprint, search.space, search.about())
+    evil = ("none", 'default"); import os; os.system("id')
+    about = {**store.study.user_attrs[STUDY_ABOUT], "space": {"compile.mode": list(evil)}}
+    store.study.set_user_attr(STUDY_ABOUT, about)
+    # and the fingerprint made to match, so the edit is not taken for a changed script
+    edited = SearchSpace("cpu", search.space.knobs, {"compile.mode": evil}, search.space.left_out)
+    store.study.set_user_attr(STUDY_FINGERPRINT, fingerprint(search.patch, search.o, "cpu", edited))
+    assert main(["report", "--storage", url, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autotune: error: the study's search space: knob 'compile.mode' has no choice 'default\")")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "r").exists()

@@ -229,10 +229,12 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
     thr = doc["throughput"]
     lines += [
         "",
-        f"- Command: `autotune search {o.project.entry.display}"
+        f"- Command: `autotune search {shlex.quote(o.project.entry.display)}"
         + (f" --launcher {shlex.quote(o.options.launcher)}" if o.options.launcher else "")
         + (f" -- {shlex.join(o.options.args)}" if o.options.args else "")
         + "`",
+        "- Files: each run ran in a mirror of the working directory; what it wrote there (checkpoints, logs) went "
+        "into the run's own folder and was deleted with it, and your files were only read",
         f"- Machine: {o.machine} ({o.device}); torch {doc['versions']['torch']}, Python {doc['versions']['python']}",
         f"- Throughput: baseline {_fmt(thr['baseline']['steps_per_s'])} steps/s, tuned "
         f"{_fmt(thr['tuned']['steps_per_s'])} steps/s"

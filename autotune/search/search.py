@@ -274,9 +274,9 @@ class Search:
             raise UsageError("--train-steps must be at least 1")
         if options.confirm < 1:
             raise UsageError("--confirm must be at least 1 (pairs of runs that check the winner)")
-        if options.time_budget is not None and options.time_budget <= 0:
+        if options.time_budget is not None and not (0 < options.time_budget < math.inf):  # nan fails too
             raise UsageError("--time-budget must be a positive number of seconds")
-        if options.timeout is not None and options.timeout <= 0:
+        if options.timeout is not None and not (0 < options.timeout < math.inf):
             raise UsageError("--timeout must be a positive number of seconds")
         if options.rtol is not None and not (0 <= options.rtol < 1):
             raise UsageError("--rtol must be a relative tolerance in [0, 1)")

@@ -10,10 +10,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from autotune.errors import UsageError
-from autotune.knobs import Knob
+from autotune.inputs import load_yaml, read_text, shown
+from autotune.knobs import Knob, checked, knob_named
 from autotune.transform import all_knobs, all_transforms
 
 DEVICES = ("cpu", "cuda")
@@ -44,51 +43,39 @@ def read_space(device: str, path: Path | None = None) -> SpaceFile:
     if path is None:
         # lenient: a knob whose transform is not installed here is skipped (tests check the files strictly)
         return parse_space(bundled_space_text(device), f"search_spaces/{device}.yaml", strict=False)
-    where = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"{where}: cannot read the search space: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{where}: the search space is not UTF-8 text") from None
-    return parse_space(text, where)
+    return parse_space(read_text(Path(path), "a search space"), str(path))
 
 
 def parse_space(text: str, where: str, strict: bool = True) -> SpaceFile:
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UsageError(f"{where}{at}: not valid YAML: {problem}") from None
+    """The search space in ``text``; ``strict=False`` skips knobs whose transform is not installed here."""
+    doc = load_yaml(text, where)
     if not isinstance(doc, dict) or set(doc) - SPACE_KEYS or not isinstance(doc.get("knobs"), dict):
         raise UsageError(
             f"{where}: expected 'knobs:' (knob name -> list of choices) and optionally 'others: default|all', "
             "'start:' (knob -> choice) and 'expensive:' (knob -> list of choices)"
         )
     others = doc.get("others", "default")
-    if others not in ("default", "all"):
-        raise UsageError(f"{where}: 'others' must be default (unlisted knobs keep their default) or all, not {others!r}")
+    if type(others) is not str or others not in ("default", "all"):
+        raise UsageError(
+            f"{where}: 'others' must be default (unlisted knobs keep their default) or all, not {shown(others)}"
+        )
     known = all_knobs()
     out: dict[str, tuple[Any, ...]] = {}
     for name, choices in doc["knobs"].items():
-        knob = known.get(name)
-        if knob is None and not strict:
+        if not strict and name not in known:
             continue
-        if knob is None:
-            raise UsageError(f"{where}: unknown knob '{name}' (known: {', '.join(sorted(known))})")
+        knob = knob_named(name, known, where)
         if not isinstance(choices, list) or not choices:
             raise UsageError(f"{where}: knob '{name}' needs a non-empty list of choices, e.g. {list(knob.choices)}")
-        for choice in choices:
-            if choice not in knob.choices:
-                raise UsageError(
-                    f"{where}: knob '{name}' has no choice {choice!r} (choices: {', '.join(map(repr, knob.choices))})"
-                )
-        out[name] = tuple(dict.fromkeys(choices))
+        out[name] = _declared(name, choices, known, where)
     start = _choice_map(doc.get("start"), "start", where, known, strict, single=True)
     expensive = _choice_map(doc.get("expensive"), "expensive", where, known, strict, single=False)
-    return SpaceFile(out, others, start, expensive)
+    return SpaceFile(out, "all" if others == "all" else "default", start, expensive)
+
+
+def _declared(name: str, choices: Iterable[Any], known: Mapping[str, Knob], where: str) -> tuple[Any, ...]:
+    """``choices`` of knob ``name`` as its declared choices, without repeats (see ``knobs.checked``)."""
+    return tuple(dict.fromkeys(checked({name: c}, known, where)[name] for c in choices))
 
 
 def _choice_map(section: Any, key: str, where: str, known: Mapping[str, Knob], strict: bool, single: bool) -> dict:
@@ -99,20 +86,14 @@ def _choice_map(section: Any, key: str, where: str, known: Mapping[str, Knob], s
         raise UsageError(f"{where}: '{key}' must map knob names to " + ("a choice" if single else "lists of choices"))
     out: dict[str, Any] = {}
     for name, value in section.items():
-        knob = known.get(name)
-        if knob is None:
-            if strict:
-                raise UsageError(f"{where}: {key}: unknown knob '{name}'")
+        if not strict and name not in known:
             continue
-        values = [value] if single else value
-        if not isinstance(values, list):
+        if single:
+            out[name] = checked({name: value}, known, f"{where}: {key}")[name]
+        elif not isinstance(value, list):
             raise UsageError(f"{where}: {key}: knob '{name}' needs a list of choices")
-        for v in values:
-            if not any(type(v) is type(c) and v == c for c in knob.choices):
-                raise UsageError(
-                    f"{where}: {key}: knob '{name}' has no choice {v!r} (choices: {', '.join(map(repr, knob.choices))})"
-                )
-        out[name] = value if single else tuple(values)
+        else:
+            out[name] = _declared(name, value, known, f"{where}: {key}")
     return out
 
 
@@ -211,4 +192,9 @@ def restore_space(
             f"the study searched knob(s) this script no longer has ({', '.join(missing)}): the script changed since"
         )
     names = sorted(choices)
-    return SearchSpace(device, tuple(known[n] for n in names), {n: tuple(choices[n]) for n in names}, dict(left_out))
+    # the description comes from the study's storage, which others can write to
+    where = "the study's search space"
+    if any(not isinstance(choices[n], list) for n in names):
+        raise UsageError(f"{where}: each knob needs a list of choices")
+    declared = {n: _declared(n, choices[n], known, where) for n in names}
+    return SearchSpace(device, tuple(known[n] for n in names), declared, dict(left_out))
