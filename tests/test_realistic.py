@@ -17,16 +17,13 @@ from autotune.patch import run, write_outputs
 from autotune.transform import all_transforms
 
 # What this branch achieves on fixtures/realistic; a change that lowers either fails here.
-PRECISION_FLOOR = 0.928  # 129/139 at the end of this branch (0.92 before its coverage work)
-RECALL_FLOOR = 0.917  # 123/134 (0.85 before)
+PRECISION_FLOOR = 0.978  # 136/139 after the merge of issue 12's work (0.92 before it)
+RECALL_FLOOR = 0.992  # 131/132 (0.85 before)
 STEPS = 3
 
 # Scripts that crash scan or patch, or change at default knobs, for reasons issue 12 assigns elsewhere: each
 # must fail until that fix lands (strict), then the entry goes.
-KNOWN = {
-    "mingpt_trainer": "an empty mingpt/__init__.py stops the whole scan (issue 12 item 1)",
-    "word_lm_cond": "unscale_(optimizer) inserted on the path where no optimizer is bound (issue 12 item 2)",
-}
+KNOWN: dict[str, str] = {}  # case -> why it is expected to fail (strict: a fix makes the test fail until removed)
 
 
 def _param(folder: Path):

@@ -1013,12 +1013,14 @@ class _View:
         self.space = search.space
         base_key = search.program(search.space.baseline())
         self._obs: dict[str, Observation] = {}
+        self._configs: dict[str, dict[str, Any]] = {}
         for r in search._regate(search.results):
             if r.role not in (ROLE_BASELINE, ROLE_SEARCH):
                 continue
             key = search.program(r.config)
             if key in self._obs:
                 continue
+            self._configs[key] = search.canonical(r.config)
             if key == base_key:
                 self._obs[key] = Observation(True, 1.0)
             else:
@@ -1040,6 +1042,9 @@ class _View:
 
     def affordable(self, config) -> bool:
         return self.s._time_left() >= self.s._cost(config) + self.s._reserve()
+
+    def measured(self):
+        return [(self._configs[k], o) for k, o in self._obs.items()]
 
 
 def _margin(baselines: list[TrialResult]) -> float:

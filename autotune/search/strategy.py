@@ -17,6 +17,7 @@ from autotune.search.space import SearchSpace
 
 Config = Mapping[str, Any]
 MAX_PASSES = 4  # coordinate-descent passes over the knobs; each pass that changes nothing ends the descent
+MAX_RESTARTS = 2  # descents started again from a configuration measured faster than where the last one ended
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,9 @@ class View(Protocol):
 
     def affordable(self, config: Config) -> bool:
         """Whether the time left covers measuring ``config`` (its compile time included)."""
+
+    def measured(self) -> Sequence[tuple[dict[str, Any], Observation]]:
+        """Every distinct program measured so far (the baseline included): a configuration of it, and how it did."""
 
 
 def label(config: Config, space: SearchSpace) -> str:
@@ -184,38 +188,59 @@ class StrongStart:
                              _speed(view.observed(incumbent))))
         blamed_values = {(b.knob, _text(b.value)) for b in blamed}
 
-        # 3. coordinate descent from the incumbent
+        # 3. coordinate descent from the incumbent; where it ends slower than a configuration measured on the way
+        # (a strong start that only loses on this machine, one noisy run that kept a knob), it starts again from
+        # that one, at most MAX_RESTARTS times
         visited = [incumbent]
-        for _ in range(MAX_PASSES):
-            moved = False
-            for pos, name in enumerate(self.order):
-                alternatives = self._alternatives(view, incumbent, name, blamed_values)
-                waiting = [a for a in alternatives if view.observed(a) is None]
-                if waiting:
-                    more = [
-                        Proposal(a, "descent", f"descent: {later}={_text(a[later])} on the incumbent")
-                        for later in self.order[pos + 1:]
-                        for a in self._alternatives(view, incumbent, later, blamed_values)
-                        if view.observed(a) is None
-                    ]
-                    first = Proposal(waiting[0], "descent", f"descent: {name}={_text(waiting[0][name])} on the incumbent")
-                    rest = [Proposal(a, "descent", f"descent: {name}={_text(a[name])} on the incumbent") for a in waiting[1:]]
-                    return stop(first, incumbent, rest + more)
-                best = self._best(view, incumbent, alternatives)
-                if best is not incumbent and not any(view.same(best, v) for v in visited):
-                    before = _speed(view.observed(incumbent))
-                    after = _speed(view.observed(best))
-                    path.append(Step(
-                        "accept",
-                        f"{name}={_text(best[name])}: {_ratio(after, before)} the incumbent"
-                        + ("" if (after or 0) > (before or 0) else " (as fast within the noise, and simpler)"),
-                        best, after,
-                    ))
-                    incumbent = best
-                    visited.append(best)
-                    moved = True
-            if not moved:
+        origins = [incumbent]
+        for restart in range(MAX_RESTARTS + 1):
+            for _ in range(MAX_PASSES):
+                moved = False
+                for pos, name in enumerate(self.order):
+                    alternatives = self._alternatives(view, incumbent, name, blamed_values)
+                    waiting = [a for a in alternatives if view.observed(a) is None]
+                    if waiting:
+                        more = [
+                            Proposal(a, "descent", f"descent: {later}={_text(a[later])} on the incumbent")
+                            for later in self.order[pos + 1:]
+                            for a in self._alternatives(view, incumbent, later, blamed_values)
+                            if view.observed(a) is None
+                        ]
+                        first = Proposal(waiting[0], "descent", f"descent: {name}={_text(waiting[0][name])} on the incumbent")
+                        rest = [Proposal(a, "descent", f"descent: {name}={_text(a[name])} on the incumbent") for a in waiting[1:]]
+                        return stop(first, incumbent, rest + more)
+                    best = self._best(view, incumbent, alternatives)
+                    if best is not incumbent and not any(view.same(best, v) for v in visited):
+                        before = _speed(view.observed(incumbent))
+                        after = _speed(view.observed(best))
+                        path.append(Step(
+                            "accept",
+                            f"{name}={_text(best[name])}: {_ratio(after, before)} the incumbent"
+                            + ("" if (after or 0) > (before or 0) else " (as fast within the noise, and simpler)"),
+                            best, after,
+                        ))
+                        incumbent = best
+                        visited.append(best)
+                        moved = True
+                if not moved:
+                    break
+            ahead = [  # (expensive choices are weighed after the descent, on top of where it ends)
+                c for c, o in view.measured()
+                if o.ok and self._faster(view, c, incumbent) and not any(view.same(c, v) for v in origins)
+                and not any(self._is_expensive(n, v) for n, v in c.items())
+            ]
+            if not ahead or restart == MAX_RESTARTS:
                 break
+            origin = max(ahead, key=lambda c: view.observed(c).speedup)
+            path.append(Step(
+                "accept",
+                f"the descent ended at {_ratio(_speed(view.observed(incumbent)), 1.0)} the baseline, slower than "
+                f"{label(origin, self.space)} measured on the way: it starts again from there",
+                origin, _speed(view.observed(origin)),
+            ))
+            incumbent = origin
+            origins.append(origin)
+            visited.append(origin)
 
         # 4. expensive choices, on top of the incumbent, while the budget covers them
         for name, value in self.expensive:
@@ -268,6 +293,13 @@ class StrongStart:
             if group:
                 return max(group, key=lambda a: view.observed(a).speedup)
         return incumbent
+
+    def _faster(self, view: View, a: Config, b: Config) -> bool:
+        """Whether ``a`` ran faster than ``b`` beyond the noise (both passed the gate)."""
+        oa, ob = view.observed(a), view.observed(b)
+        if oa is None or not oa.ok or not oa.speedup or ob is None or not ob.ok or not ob.speedup:
+            return False
+        return oa.speedup > ob.speedup * (1.0 + view.threshold())
 
     def _better(self, view: View, a: Config, b: Config) -> bool:
         """Whether ``a`` beats ``b``: faster beyond the noise, or as fast within it and simpler (fewer changes)."""
