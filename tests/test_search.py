@@ -73,7 +73,8 @@ def test_search_end_to_end(tmp_path):
     assert doc["winner"] in ("tuned", "baseline")
     assert doc["throughput"]["baseline"]["steps_per_s"] > 0 and doc["throughput"]["baseline"]["samples_per_s"] is None
     assert doc["noise"]["deterministic"] is True  # the fixture is seeded: bit-identical losses run to run
-    assert doc["search"]["mode"] == "descent" and doc["search"]["configurations_measured"] == 4
+    # the baseline, the start and the descent's steps from it (which ones depends on the measured speeds)
+    assert doc["search"]["mode"] == "descent" and doc["search"]["configurations_measured"] >= 3
     assert doc["search"]["path"][0] == "start: fused_optimizer.impl=foreach, gc.freeze=true"
     import torch
 
@@ -245,8 +246,11 @@ def test_search_killed_midway_resumes_keeping_every_finished_trial(tmp_path):
     final = _snapshot(out, "r")
     assert {n: final[n] for n in second} == second
     search = [tuple(sorted(params.items())) for params, _, role, _ in final.values() if role == "search"]
-    assert len(search) == len(set(search)) == 3  # every configuration but the baseline, each measured once
+    # the start and at least one step of the descent (which steps depends on the measured speeds), none twice
+    assert len(search) == len(set(search)) >= 2
     states = [t.state.name for t in trials(out, "r")]
     assert states.count("FAIL") == 2  # the two interrupted trials, measured again later
     assert wait_gone(trial_pids(out, "r"), 5) == []
-    assert yaml.safe_load((out / "autotune.yaml").read_text())["search"]["configurations_measured"] == 4
+    doc = yaml.safe_load((out / "autotune.yaml").read_text())
+    assert doc["search"]["configurations_measured"] == 1 + len(set(search))
+    assert doc["search"]["stopped"].startswith("the descent converged")

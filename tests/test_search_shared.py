@@ -31,6 +31,7 @@ from procs import wait_gone
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "search" / "tiny.py"
 SPACE = {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]}  # 4 configurations
+START = {"fused_optimizer.impl": "foreach", "gc.freeze": True}  # what the search starts from in SPACE
 SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "1"]
 # one intra-op thread (steadier on a shared machine); heartbeats each second, so a dead worker shows in 6 s
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTUNE_HEARTBEAT_S": "1"}
@@ -282,8 +283,8 @@ def test_two_workers_share_one_study(tmp_path, shared):
     assert all(ran), logs  # both workers measured
     assert sorted(ran[0] + ran[1]) == sorted(t.number for t in done)
     assert len({t.user_attrs["result"]["pid"] for t in done}) == len(done)
-    # no program measured twice: each of the 3 non-baseline configurations once, by one worker or the other
-    assert sorted(search_configs(ts)) == sorted(set(search_configs(ts))) and len(search_configs(ts)) == 3
+    # no program measured twice: the start and the descent's steps, each once, by one worker or the other
+    assert sorted(search_configs(ts)) == sorted(set(search_configs(ts))) and len(search_configs(ts)) >= 2
     for t in ts:
         if t.user_attrs.get("role") == "yielded":  # stepped aside for the other worker: never ran
             assert t.state.name == "FAIL" and "trial_pid" not in t.user_attrs and "result" not in t.user_attrs
@@ -297,7 +298,8 @@ def test_two_workers_share_one_study(tmp_path, shared):
     runs = []
     for (proc, out, _), host in zip(workers, expected):
         doc = yaml.safe_load((out / "autotune.yaml").read_text())
-        assert doc["machine"].startswith(f"{host} (") and doc["search"]["configurations_measured"] == 4
+        assert doc["machine"].startswith(f"{host} (")
+        assert doc["search"]["configurations_measured"] == 1 + len(set(search_configs(ts)))
         runs.append(sum(doc["search"]["machines"].values()))
     assert max(runs) == len(done)  # the worker that ended last wrote its outputs from every run of the study
     for t in done:  # each confirmation run was measured on the machine whose confirmation it is
@@ -380,13 +382,16 @@ def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, data
     ts = trials(storage, "kill")
     assert ts[victim.number].state.name == "FAIL"  # its heartbeat stopped: closed by the other worker
     measured = search_configs(ts)
-    assert len(measured) == len(set(measured)) == 3  # and its configuration was measured again, once
+    assert len(measured) == len(set(measured)) >= 2  # no program measured twice
     again = [
         t
         for t in ts
         if t.state.name == "COMPLETE" and t.params == victim.params and t.user_attrs.get("role") == "search"
     ]
-    assert len(again) == 1 and again[0].number > victim.number and again[0].user_attrs["worker"].startswith("alpha:")
+    # its configuration is measured again, once, by the other worker, when the search still needs it: always the
+    # start configuration; a step of the descent only while it is one from where the descent stands
+    assert all(t.number > victim.number and t.user_attrs["worker"].startswith("alpha:") for t in again)
+    assert len(again) == 1 if victim.params == START else len(again) <= 1
 
 
 # --- opening a study's database ------------------------------------------------------------------------------
