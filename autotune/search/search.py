@@ -320,7 +320,6 @@ class Search:
         self.deadline = math.inf  # set when the search runs
         self.reserved_s: float | None = None
         self.plan: Plan | None = None
-        self._views: dict[str, Any] = {}
 
     def about(self) -> dict[str, Any]:
         """What the study is made from, stored in it so that ``autotune report`` can rebuild this search."""
@@ -548,7 +547,7 @@ class Search:
             return base
         extra = [r.wall_s - base for r in self.results if r.measured and self._compiles(r.config)]
         compile_s = max(max(extra, default=COMPILE_GUESS_S), 0.0)
-        if any(self.strategy._is_expensive(n, v) for n, v in config.items()):
+        if any(self.strategy.is_expensive(n, v) for n, v in config.items()):
             compile_s = max(EXPENSIVE_FACTOR * compile_s, EXPENSIVE_MIN_S)
         return base + compile_s
 

@@ -132,7 +132,8 @@ class StrongStart:
         # descent order: the start's knobs by expected effect, then the others
         self.order = self.start_order + [k.name for k in space.knobs if k.name not in self.start_order]
 
-    def _is_expensive(self, name: str, value: Any) -> bool:
+    def is_expensive(self, name: str, value: Any) -> bool:
+        """Whether ``name=value`` is an expensive choice (tried last, when the budget covers its compile)."""
         return any(n == name and _same_value(v, value) for n, v in self.expensive)
 
     def plan(self, view: View) -> Plan:
@@ -227,7 +228,7 @@ class StrongStart:
             ahead = [  # (expensive choices are weighed after the descent, on top of where it ends)
                 c for c, o in view.measured()
                 if o.ok and self._faster(view, c, incumbent) and not any(view.same(c, v) for v in origins)
-                and not any(self._is_expensive(n, v) for n, v in c.items())
+                and not any(self.is_expensive(n, v) for n, v in c.items())
             ]
             if not ahead or restart == MAX_RESTARTS:
                 break
@@ -269,7 +270,7 @@ class StrongStart:
         """``incumbent`` with each other choice of knob ``name`` (distinct programs; blamed and expensive ones out)."""
         out: list[dict[str, Any]] = []
         for choice in self.space.choices[name]:
-            if _same_value(choice, incumbent.get(name)) or self._is_expensive(name, choice):
+            if _same_value(choice, incumbent.get(name)) or self.is_expensive(name, choice):
                 continue
             if (name, _text(choice)) in blamed:
                 continue
