@@ -16,6 +16,7 @@ from transform_cases import baked, case, losses, original, patched, sites, statu
 from autotune import runtime
 from autotune.analysis import load_project
 from autotune.patch import run, select
+from autotune.search.space import read_space
 from autotune.transform import Status
 from autotune.transforms.dataloader import SETTINGS, Dataloader
 
@@ -284,3 +285,19 @@ def test_a_dataset_that_moves_items_to_the_device_keeps_its_loader():
     assert site.status is N
     assert site.reason.startswith("PairDataset.__getitem__ moves items to the device (self.x[idx].to(...), line 20)")
     assert patched(T, "dataset_on_device") == case(T, "dataset_on_device").read_text()
+
+
+def test_persistent_workers_change_the_shuffle_from_the_second_epoch_so_no_default_space_searches_them():
+    # A persistent loader draws its seed once instead of once per epoch, so the global random stream, and with it
+    # the shuffle, differs from the second epoch on. A short trial inside one epoch cannot see that, so the
+    # bundled spaces keep the knob at its default. Should torch ever draw per epoch here, this fails: offer it again.
+    def first_batches(persistent):
+        torch.manual_seed(0)
+        loader = DataLoader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True, num_workers=1,
+                            persistent_workers=persistent)
+        return [[batch[0].tolist() for batch in loader][0] for _ in range(3)]
+
+    plain, persistent = first_batches(False), first_batches(True)
+    assert plain[0] == persistent[0] and plain[1:] != persistent[1:]
+    for device in ("cpu", "cuda"):
+        assert read_space(device).choices["dataloader.persistent_workers"] == (False,), device

@@ -46,7 +46,7 @@ class Dataloader(Transform):
             (False, True),
             False,
             Numerics.EXACT,
-            help="keep the workers alive between epochs (only with workers)",
+            help="keep the workers alive between epochs (only with workers); the loader then draws its seed once, not once per epoch, so from the second epoch on the shuffle differs: not searched by default",
         ),
         Knob(
             "dataloader.prefetch_factor",
