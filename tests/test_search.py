@@ -73,6 +73,7 @@ def test_search_end_to_end(tmp_path):
     assert doc["winner"] in ("tuned", "baseline")
     assert doc["throughput"]["baseline"]["steps_per_s"] > 0 and doc["throughput"]["baseline"]["samples_per_s"] is None
     assert doc["noise"]["deterministic"] is True  # the fixture is seeded: bit-identical losses run to run
+    assert doc["noise"]["perturbed_runs"] == 1  # and once on another thread count, for the reordering floor
     # the baseline, the start and the descent's steps from it (which ones depends on the measured speeds)
     assert doc["search"]["mode"] == "descent" and doc["search"]["configurations_measured"] >= 3
     assert doc["search"]["path"][0] == "start: fused_optimizer.impl=foreach, gc.freeze=true"
@@ -98,7 +99,7 @@ def test_search_end_to_end(tmp_path):
 
     done = [t for t in trials(out, "e2e") if t.state.name == "COMPLETE"]
     rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ") and "`" in line]
-    report_rows = [r for r in rows if r.split("|")[2].strip() in ("baseline", "search", "confirm")]
+    report_rows = [r for r in rows if r.split("|")[2].strip() in ("baseline", "perturbed", "search", "confirm")]
     assert len(report_rows) == len(done)
     statuses = {t.user_attrs["result"]["status"] for t in done}
     assert statuses == {"ok"}

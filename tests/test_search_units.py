@@ -140,6 +140,31 @@ def test_tolerance_by_numerics_class_grows_and_never_below_noise():
     assert tolerances(Numerics.REORDER, 3, noisy, rtol=1e-9)[2] == NOISE_FACTOR * 0.2
 
 
+def test_a_thread_change_that_moves_the_losses_widens_reordering_and_lowp_tolerances_never_exact_ones():
+    from autotune.search.gate import REORDER_LEAD
+
+    assert REORDER_LEAD == 2
+    steps = [[2.0], [1.5], [1.2], [1.0], [0.9]]
+    ref = _result(steps, role="baseline")
+    shaken = _result([[2.0], [1.5], [1.2], [1.02], [0.9]], role="perturbed")  # 2% at the fourth step, then back
+    noise = measure_noise([ref, ref], [shaken])
+    assert noise.deterministic and noise.perturbed == 1
+    assert noise.reorder == pytest.approx((0.0, 0.0, 0.0, 0.02, 0.02))  # what showed up can show up later
+    fused = _knob("fused_optimizer.impl", ("default", "fused"), "default", Numerics.REORDER)
+    gc_knob = _knob("gc.freeze", (False, True), False)
+
+    def off(at):  # 2.5% off at step ``at`` (0-based): within twice what the thread change moved, by then
+        return _result([[v * (1.025 if i == at else 1.0)] for i, (v,) in enumerate(steps)])
+
+    assert judge(off(4), ref, [fused], noise).passed
+    # a knob's own rounding differences are larger, so training carries them as far a little earlier
+    assert judge(off(1), ref, [fused], noise).passed
+    assert not judge(off(0), ref, [fused], noise).passed  # more than REORDER_LEAD steps before: too early
+    assert not judge(off(4), ref, [fused], measure_noise([ref, ref])).passed  # the class's 1e-4 otherwise
+    assert not judge(off(4), ref, [gc_knob], noise).passed  # exact knobs answer to run-to-run noise only
+    assert tolerances(Numerics.LOWP, 5, noise)[4] == pytest.approx(NOISE_FACTOR * 0.02)
+
+
 def test_judge_exact_needs_identical_losses_lowp_allows_small_deviations():
     ref = _result([[2.0], [1.5], [1.2]], role="baseline")
     noise = measure_noise([ref, ref])
@@ -565,3 +590,18 @@ def test_report_refuses_a_study_whose_space_was_edited_to_hold_code(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith("autotune: error: the study's search space: knob 'compile.mode' has no choice 'default\")")
     assert len(err.splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_the_perturbed_baseline_runs_on_one_thread_fewer_or_two_where_runs_get_one(monkeypatch):
+    import torch
+
+    from autotune.search.search import thread_counts
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert thread_counts({"OMP_NUM_THREADS": "4"}, False) == (4, 3)
+    assert thread_counts({"OMP_NUM_THREADS": "1"}, False) == (1, 2)
+    assert thread_counts({}, True) == (1, 2)  # torchrun gives each process one thread unless told otherwise
+    base = torch.get_num_threads()
+    assert thread_counts({"OMP_NUM_THREADS": "many"}, False) == (base, base - 1 if base > 1 else 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert thread_counts({}, False) == (3, 2)

@@ -21,6 +21,11 @@ RTOL: dict[Numerics, tuple[float, float, float]] = {
 }
 # The baseline's own run-to-run deviation is a sample of its noise, not its bound: the gate allows twice it.
 NOISE_FACTOR = 2.0
+# A knob's own rounding differences are larger than a thread change's (SDPA's first ones 1e-6, a thread change's
+# 1e-7), so where training amplifies them it reaches the same level a little earlier: on a 4-layer GPT on CPU, SDPA
+# passed 1e-3 one step before the thread change jumped to 1.6e-2. The reordering floor at a step is what the
+# perturbed run reached up to this many steps later.
+REORDER_LEAD = 2
 
 
 def numerics_of(knobs: Iterable[Knob]) -> Numerics | None:
@@ -55,6 +60,11 @@ class Noise:
     runs: int
     loss: tuple[float, ...]  # per step: the largest deviation seen so far between baseline runs
     time: float | None  # (slowest - fastest) / median of the baseline runs' step times
+    # per step: the largest deviation seen so far of a perturbed baseline run (the same program on another number of
+    # threads: only the order of floating-point sums changes) from the reference. How far this script's training
+    # carries a rounding difference; the floor of the tolerance of knobs that reorder or lower precision.
+    reorder: tuple[float, ...] = ()
+    perturbed: int = 0  # perturbed runs measured
 
     @property
     def deterministic(self) -> bool:
@@ -64,28 +74,43 @@ class Noise:
     def max_loss(self) -> float:
         return max(self.loss, default=0.0)
 
+    @property
+    def max_reorder(self) -> float:
+        return max(self.reorder, default=0.0)
 
-def measure_noise(baselines: Sequence[TrialResult]) -> Noise:
-    """The noise of the measured baseline runs; the first one is the reference the others are compared with."""
+
+def measure_noise(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult] = ()) -> Noise:
+    """The noise of the measured baseline runs; the first one is the reference the others (and the perturbed runs,
+    for ``reorder``) are compared with."""
     runs = [b for b in baselines if b.measured]
     if not runs:
         return Noise(0, (), None)
     ref = runs[0].losses
+    shaken = [p for p in perturbed if p.measured]
+    times = [b.step_time for b in runs if b.step_time]
+    spread = (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
+    return Noise(len(runs), _running_max(runs[1:], ref), spread, _running_max(shaken, ref) if shaken else (),
+                 len(shaken))
+
+
+def _running_max(runs: Sequence[TrialResult], ref: Sequence[Sequence[float]]) -> tuple[float, ...]:
     per_step = [0.0] * len(ref)
-    for other in runs[1:]:
+    for other in runs:
         for i, d in enumerate(step_deviations(other.losses, ref)[: len(ref)]):
             per_step[i] = max(per_step[i], d)
     running, worst = [], 0.0
     for d in per_step:  # noise that showed up at a step can show up at any later one
         worst = max(worst, d)
         running.append(worst)
-    times = [b.step_time for b in runs if b.step_time]
-    spread = (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
-    return Noise(len(runs), tuple(running), spread)
+    return tuple(running)
 
 
 def tolerances(numerics: Numerics | None, steps: int, noise: Noise, rtol: float | None = None) -> list[float]:
-    """The gate's relative tolerance at each step: the class's (or ``rtol``), never below the measured noise."""
+    """The gate's relative tolerance at each step: the class's (or ``rtol``), never below the measured noise.
+
+    Knobs that reorder sums or lower precision are never held tighter than a reordering of the baseline itself
+    moved its losses; an exact knob only to the baseline's run-to-run noise.
+    """
     out = []
     for i in range(steps):
         if numerics is None:
@@ -95,9 +120,15 @@ def tolerances(numerics: Numerics | None, steps: int, noise: Noise, rtol: float 
         else:
             start, growth, cap = RTOL[numerics]
             allowed = min(cap, start + growth * i)
-        measured = noise.loss[min(i, len(noise.loss) - 1)] if noise.loss else 0.0
+        measured = _at(noise.loss, i)
+        if numerics in (Numerics.REORDER, Numerics.LOWP):
+            measured = max(measured, _at(noise.reorder, i + REORDER_LEAD))
         out.append(max(allowed, NOISE_FACTOR * measured))
     return out
+
+
+def _at(per_step: Sequence[float], i: int) -> float:
+    return per_step[min(i, len(per_step) - 1)] if per_step else 0.0
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from autotune.patch import CONFIG_NAME
 from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
 from autotune.search.search import SearchOutcome, is_baseline_run, train_time
-from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH
+from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_PERTURBED, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
 REPORT_NAME = "report.md"
@@ -114,6 +114,8 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
                 "baseline_runs": o.noise.runs,
                 "deterministic": o.noise.deterministic,
                 "loss_max_deviation": _r(o.noise.max_loss, 3),
+                "perturbed_runs": o.noise.perturbed,
+                "reorder_max_deviation": _r(o.noise.max_reorder, 3),
                 "time_spread": _r(o.noise.time, 3),
             },
             "search": {
@@ -249,6 +251,13 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
             if o.noise.deterministic
             else f"differ run to run by up to {o.noise.max_loss:.1e} (the script is not deterministic: "
             "the loss tolerance is widened to twice that)"
+        )
+        + (
+            f"; a baseline run on another number of CPU threads (only the order of sums changes) moved them by up "
+            f"to {o.noise.max_reorder:.1e}"
+            + (" (knobs that reorder sums or lower precision are allowed twice that)" if o.noise.max_reorder else "")
+            if o.noise.perturbed
+            else ""
         ),
         f"- Search: {o.mode} {doc['search']['configurations_measured']} of {o.space.size} configurations, "
         f"{len(o.results)} runs in {o.wall_s:.0f}s{_span_note(o)}; stopped: {o.stopped}; "
@@ -414,6 +423,8 @@ def plot_data(o: SearchOutcome) -> PlotData:
             base[m] = statistics.median(runs)
     points: dict[str, list[tuple[int, float]]] = {"baseline": [], "ok": [], "diverged": [], "failed": []}
     for r in o.results:
+        if r.role == ROLE_PERTURBED:
+            continue  # another thread count: its speed compares with nothing
         y = r.throughput or 0.0
         if several:
             if r.machine not in base:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shlex
 import shutil
 import signal
@@ -28,6 +29,7 @@ from autotune.search.strategy import Observation, Plan, StrongStart, label, medi
 from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CONFIRM,
+    ROLE_PERTURBED,
     ROLE_SEARCH,
     StudyStore,
     open_storage,
@@ -367,6 +369,7 @@ class Search:
         except ValueError:  # not the main thread
             previous = {}
         self.runner = None
+        self.threads = thread_counts(env, bool(self.launcher)) if self.device == "cpu" else None
         try:
             storage = open_storage(self.o.storage, self.out / DB_NAME)
             self.storage_desc = storage.description
@@ -622,8 +625,12 @@ class Search:
         base = self._baselines(machine)
         return base[0] if base else None
 
+    def _perturbed(self, machine: str | None = None) -> list[TrialResult]:
+        machine = self._mine(machine)
+        return [r for r in self.results if r.role == ROLE_PERTURBED and r.measured and r.machine == machine]
+
     def _noise(self, machine: str | None = None) -> Noise:
-        return measure_noise(self._baselines(machine))
+        return measure_noise(self._baselines(machine), self._perturbed(machine))
 
     def _gate(self, result: TrialResult, noise: Noise | None = None) -> TrialResult:
         ref = self._reference(result.machine)
@@ -632,7 +639,7 @@ class Search:
         noise = noise or self._noise(result.machine)
         changed = self.space.changed(result.config)
         verdict = judge(result.with_(status=Outcome.OK), ref, changed, noise, self.o.rtol)
-        if result.role == ROLE_BASELINE or (result.role == ROLE_CONFIRM and not changed):
+        if result.role in (ROLE_BASELINE, ROLE_PERTURBED) or (result.role == ROLE_CONFIRM and not changed):
             return result.with_(deviation=verdict.deviation, tolerance=verdict.tolerance)
         status = Outcome.OK if verdict.passed else Outcome.DIVERGED
         error = None
@@ -721,7 +728,7 @@ class Search:
                 error=f"{', '.join(missed)} never took effect in the run (the code it changes is on a path the "
                 "script did not take, or found nothing to act on): it measured the original program",
             )
-        if result.measured and result.throughput:
+        if result.measured and result.throughput and role != ROLE_PERTURBED:  # another thread count: no speedup
             result = result.with_(speedup=self._value(result))
         self.results.append(result)  # first, so that a baseline run counts in the noise it is judged with
         result = self.results[-1] = self._gate(result)
@@ -780,6 +787,13 @@ class Search:
         for _ in range(max(1, 2 - len(self._baselines()))):
             self._trial(self.space.baseline(), ROLE_BASELINE)
             self._check_budget()
+        # on a CPU, where baseline runs agree bit for bit, one more on another number of threads shows how far this
+        # script's training carries a rounding difference: the floor of the tolerance of reordering knobs
+        if self.threads is not None and not any(r.role == ROLE_PERTURBED and r.machine == self.machine.key
+                                                for r in self.results):
+            base, other = self.threads
+            why = f"the baseline on {other} CPU thread(s) instead of {base}: only the order of sums changes"
+            self._trial(self.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
         while True:
             self._refresh()
             measured = len(self.measured())
@@ -827,13 +841,14 @@ class Search:
         if not math.isfinite(self.deadline) or len(self._baselines()) != 1 or len(self.results) != 1:
             return
         run = self._estimate()
-        runs = 2 + 1 + 2 * self.o.confirm
+        fixed = 3 + (self.threads is not None)  # 2 baselines (+ the perturbed one on a CPU) and 1 trial
+        runs = fixed + 2 * self.o.confirm
         need = run * runs
         if self.o.budget and need > self.o.budget * (1 + OVERRUN):
-            fits = max(int((self.o.budget / run - 3) // 2), 0)
+            fits = max(int((self.o.budget / run - fixed) // 2), 0)
             raise BudgetTooSmall(
                 f"--time-budget {self.o.budget:.0f}s is too small for this script: one run takes about {run:.0f}s, "
-                f"and a search needs at least 2 baselines, 1 trial and {self.o.confirm} A/B pairs ({runs} runs, about "
+                f"and a search needs at least {fixed - 1} baselines, 1 trial and {self.o.confirm} A/B pairs ({runs} runs, about "
                 f"{need:.0f}s); give --time-budget {math.ceil(need * 1.5 / 60) * 60} or more"
                 + (f", or --confirm {fits}" if fits >= 1 else "")
                 + f" (the baseline run is kept in {self.storage_desc})"
@@ -1097,7 +1112,7 @@ def local_speedups(results) -> dict[int, float]:
     for order in machines.values():
         base_pos = [i for i, r in enumerate(order) if is_baseline_run(r) and r.measured]
         for i, r in enumerate(order):
-            if is_baseline_run(r) or not r.measured or r.number is None:
+            if is_baseline_run(r) or r.role == ROLE_PERTURBED or not r.measured or r.number is None:
                 continue
             before = [p for p in base_pos if p < i][-1:]
             after = [p for p in base_pos if p > i][:1]
@@ -1105,6 +1120,23 @@ def local_speedups(results) -> dict[int, float]:
             if near and r.step_time:
                 out[r.number] = statistics.mean(near) / r.step_time
     return out
+
+
+def thread_counts(env: Mapping[str, str | None], launched: bool) -> tuple[int, int]:
+    """The CPU threads a run computes with, and the other count a perturbed baseline run gets."""
+    given = env["OMP_NUM_THREADS"] if "OMP_NUM_THREADS" in env else os.environ.get("OMP_NUM_THREADS")
+    try:
+        base = int(given or "")
+    except ValueError:
+        base = 0
+    if base < 1:
+        if launched:
+            base = 1  # torchrun's default for each process it starts
+        else:
+            import torch
+
+            base = torch.get_num_threads()  # what a new process gets here: its default is this one's
+    return base, base - 1 if base > 1 else 2
 
 
 def _raise_interrupt(signum, frame):  # SIGINT and SIGTERM end a search alike: trials stopped, study kept

@@ -34,6 +34,9 @@ from autotune.search.trial import Outcome, TrialResult
 ROLE_BASELINE = "baseline"
 ROLE_SEARCH = "search"
 ROLE_CONFIRM = "confirm"
+# the baseline on another number of CPU threads (only the order of floating-point sums changes): how far this
+# script's training carries a rounding difference; its losses set the gate's floor, its speed counts nowhere
+ROLE_PERTURBED = "perturbed"
 ROLE_DUPLICATE = "duplicate"  # the sampler proposed a configuration already measured: its result is reused
 ROLE_YIELDED = "yielded"  # another worker claimed the same program first: ended FAIL without running
 

@@ -59,7 +59,7 @@ class TrialResult:
     """One run of the patched script under one configuration: its outcome, timings and losses."""
 
     config: Mapping[str, Any]
-    role: str  # "baseline", "search" or "confirm"
+    role: str  # "baseline", "perturbed", "search" or "confirm"
     status: Outcome
     device: str = "cpu"
     error: str | None = None
@@ -489,6 +489,8 @@ class Runner:
                 env.pop(key, None)
             else:
                 env[key] = value
+        if attrs and attrs.get("threads"):  # a perturbed baseline: the same program on another number of threads
+            env["OMP_NUM_THREADS"] = str(int(attrs["threads"]))
         if self.pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         env[CONFIG_ENV] = str(tdir / "config.yaml")
