@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_search_end_to_end(tmp_path):
     cmd = ["search", TINY, "--out", out, "--space", space, "--study-name", "e2e", *SMALL, "--", "--iters", "12"]
     run = autotune(cmd, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"perturbed \(\d+ threads?\) +baseline +ok", run.stdout), run.stdout
 
     for name in ("tiny.py", "autotune.yaml", "tuned.diff", "report.md", "throughput.png", "study.db"):
         assert (out / name).is_file(), name

@@ -183,7 +183,8 @@ class SearchDisplay:
         name = self.label(r.config)
         row = (
             str(r.number),
-            r.role + (f" ({r.attrs['phase']})" if r.attrs.get("phase") else ""),
+            r.role + (f" ({r.attrs['phase']})" if r.attrs.get("phase") else "")
+            + (f" ({r.attrs['threads']} thread{'s' if r.attrs['threads'] != 1 else ''})" if r.attrs.get("threads") else ""),
             name,
             status,
             thr,

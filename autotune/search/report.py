@@ -255,7 +255,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         + (
             f"; a baseline run on another number of CPU threads (only the order of sums changes) moved them by up "
             f"to {o.noise.max_reorder:.1e}"
-            + (" (knobs that reorder sums or lower precision are allowed twice that)" if o.noise.max_reorder else "")
+            + (" (knobs that reorder sums or lower precision are never held tighter than twice that)" if o.noise.max_reorder else "")
             if o.noise.perturbed
             else ""
         ),
