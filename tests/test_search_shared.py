@@ -311,7 +311,7 @@ def test_two_workers_share_one_study(tmp_path, shared):
     outs = [out for _, out, _ in workers] + [tmp_path / "report"]
     written = [*logs, *((out / name).read_text() for out in outs for name in ("autotune.yaml", "report.md"))]
     assert not [text for text in written if "hunter2" in text]
-    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|search|confirm) \|", line)]
+    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|perturbed|search|confirm) \|", line)]
     assert len(rows) == len(done)
     if hosts[0]:
         machines = next(line for line in report.splitlines() if line.startswith("- Machines: "))
