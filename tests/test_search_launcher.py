@@ -277,6 +277,20 @@ def test_torchrun_timeout_kills_the_agent_and_every_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_ranks_end_cleanly_when_a_trial_stops_a_ddp_script_before_its_destroy_process_group(tmp_path):
+    # Left to the interpreter's exit, the gloo group aborted a rank (SIGABRT, "terminate called without an active
+    # exception") in 4 of 24 such runs here, 2 of 24 with destroy_process_group() first; with a barrier and an
+    # immediate exit, 0 of 24. Eight runs all passing happened by chance with the old exit about 1 time in 4.
+    runner = make_runner(DDP_SCRIPT, tmp_path, TORCHRUN, ["--epochs", "50"])
+    try:
+        results = [runner.run({"no_sync.enabled": bool(i % 2)}, "search", timeout=120) for i in range(8)]
+    finally:
+        runner.cleanup()
+    assert [str(r.status) for r in results] == ["ok"] * 8, [r.error for r in results if r.error]
+    assert all(r.ranks == 2 and len(r.step_times) == STEPS for r in results)
+
+
+@pytest.mark.slow
 def test_search_under_torchrun_end_to_end(tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump({"knobs": {"no_sync.enabled": [False, True]}}))
