@@ -323,6 +323,9 @@ def test_search_finds_the_pair_that_only_pays_together_and_keeps_its_budget(tmp_
     assert "## How the search got there" in report
     assert "blamed backend_flags.matmul_precision=high: diverged" in report
     assert "sign test p = 0.031" in report
+    # bf16 lowers precision: judged on the last half of the steps, and the report says so
+    assert "loss deviation (mean over the last 50% of the steps) 0 (tolerance" in report
+    assert "on average over steps 5..8 (tolerance" in outcome.plan.blamed[0].reason
     doc = yaml.safe_load((tmp_path / "out" / "autotune.yaml").read_text())
     assert doc["confidence"]["wins"] == 5 and doc["search"]["blamed"][0]["knob"] == "backend_flags.matmul_precision"
 
@@ -402,3 +405,41 @@ def test_a_reordering_knob_is_held_to_how_far_a_thread_change_carries_the_losses
         assert "a baseline run on another number of CPU threads (only the order of sums changes) moved them" in report
     else:  # a thread change moved nothing: reordering is held to its class's tolerance, which 3% is far beyond
         assert all(str(r.status) == "diverged" for r in fused)
+
+
+class DriftingGpuRunner(FakeRunner):
+    """A GPU whose float32 runs agree bit for bit up to a step and then drift apart (atomics), by ``drift`` at the
+    end of the second baseline run and 1.5 x that in every later one."""
+
+    drift = 0.01
+
+    def run(self, config, role, timeout, on_start=None, attrs=None):
+        result = super().run(config, role, timeout, on_start, attrs)
+        nth = sum(r == "baseline" for _, r, _ in self.runs)
+        scale = 0.0 if nth == 1 else self.drift * (1.0 if nth == 2 else 1.5)
+        return result.with_(device="cuda", losses=tuple(
+            (v * (1 + scale * max(0, i - STEPS // 2) / STEPS),) for i, (v,) in enumerate(result.losses)))
+
+
+@pytest.mark.parametrize("drift", [0.01, 0.0])
+def test_on_a_gpu_whose_baseline_runs_differ_a_third_is_run_back_to_back(tmp_path, monkeypatch, drift):
+    from autotune.search.live import QuietDisplay
+    from autotune.search.search import Search, SearchOptions
+
+    monkeypatch.setattr("autotune.search.search.resolve_device", lambda device: "cuda")
+    monkeypatch.setattr(DriftingGpuRunner, "drift", drift)
+    monkeypatch.chdir(tmp_path)
+    search = Search(SearchOptions(script=TINY, out=tmp_path / "out", steps=STEPS, warmup=1, device="cuda", trials=2),
+                    QuietDisplay())
+    search.clock = clock = FakeClock()
+    runner = DriftingGpuRunner(clock)
+    search.runner_factory = lambda *a, **k: runner
+    outcome = search.run()
+    roles = [role for _, role, _ in runner.runs]
+    assert "perturbed" not in roles  # a thread count does not touch a GPU's kernels
+    if drift:
+        assert roles[:4] == ["baseline", "baseline", "baseline", "search"]
+        assert outcome.noise.runs >= 3 and outcome.noise.max_loss > drift * 0.2
+    else:  # bit for bit: nothing more to learn from a third
+        assert roles[:3] == ["baseline", "baseline", "search"]
+        assert outcome.noise.deterministic

@@ -16,7 +16,9 @@ from typing import Any
 from autotune import __version__
 from autotune.bake import DIFF_NAME, bake, check_out_dir, write_baked
 from autotune.files import write_file
+from autotune.knobs import Numerics
 from autotune.patch import CONFIG_NAME
+from autotune.search.gate import LOWP_WINDOW, numerics_of
 from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
 from autotune.search.search import SearchOutcome, is_baseline_run, train_time
@@ -209,6 +211,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _deviation_kind(o: SearchOutcome, config: Mapping[str, Any]) -> str:
+    """What the gate measured: reduced precision is judged on the mean over the last half of the steps."""
+    if numerics_of(o.space.changed(config)) is Numerics.LOWP:
+        return f"loss deviation (mean over the last {100 * LOWP_WINDOW:.0f}% of the steps)"
+    return "largest loss deviation"
+
+
 def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None, skipped: str | None) -> str:
     defaults = o.space.baseline()
     lines = [f"# autotune search: `{o.project.entry.display}`", ""]
@@ -219,7 +228,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
             f"**Tuned:** `{changed_text(w.config, defaults)}` is **{w.speedup:.2f}x** the baseline's speed "
             f"({100 * cover:.0f}% confidence interval {low:.2f}x to {high:.2f}x; faster in {w.wins} of {len(w.ratios)} "
             f"interleaved A/B pairs, sign test p = {w.p_value:.3f}); "
-            f"largest loss deviation {_fmt(doc['max_loss_deviation'])} (tolerance {_fmt(doc['loss_tolerance'])})."
+            f"{_deviation_kind(o, w.config)} {_fmt(doc['max_loss_deviation'])} (tolerance {_fmt(doc['loss_tolerance'])})."
         )
         if o.startup:
             lines.append(f"It has a one-time cost: {o.startup}.")
@@ -291,7 +300,9 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         "live display showed the same number); the verdict above comes from the A/B pairs instead. "
         "Start-up: the run's one-time cost before it trains at its measured speed (compilation, autotuning, data "
         "set-up): its warm-up time less its warm-up steps at that speed. "
-        "Loss deviation: largest relative difference of any step's loss from the machine's first baseline run.",
+        "Loss deviation: largest relative difference of any step's loss from the machine's first baseline run "
+        f"(for knobs that lower precision, the mean over the last {100 * LOWP_WINDOW:.0f}% of the steps); a baseline "
+        "run's shows its run-to-run noise (the gate allows twice that).",
         "",
         "| # | role | configuration | status | steps/s | samples/s | speedup | start-up | loss deviation | peak memory | note |"
         + (" machine |" if several else ""),

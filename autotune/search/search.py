@@ -640,11 +640,17 @@ class Search:
         changed = self.space.changed(result.config)
         verdict = judge(result.with_(status=Outcome.OK), ref, changed, noise, self.o.rtol)
         if result.role in (ROLE_BASELINE, ROLE_PERTURBED) or (result.role == ROLE_CONFIRM and not changed):
-            return result.with_(deviation=verdict.deviation, tolerance=verdict.tolerance)
+            return result.with_(deviation=verdict.deviation)  # noise, not judged: no tolerance to show
         status = Outcome.OK if verdict.passed else Outcome.DIVERGED
         error = None
         if not verdict.passed and math.isnan(verdict.deviation):
             error = "the script's loss is not visible to autotune, so only knobs that change no numerics can be tried"
+        elif not verdict.passed and verdict.window and math.isfinite(verdict.deviation):
+            first, last = verdict.window
+            error = (
+                f"loss off by {verdict.deviation:.2e} relative on average over steps {first}..{last} "
+                f"(tolerance {verdict.tolerance:.1e})"
+            )
         elif not verdict.passed:
             error = (
                 f"loss off by {verdict.deviation:.2e} relative (tolerance {verdict.tolerance:.1e}), "
@@ -787,6 +793,11 @@ class Search:
         for _ in range(max(1, 2 - len(self._baselines()))):
             self._trial(self.space.baseline(), ROLE_BASELINE)
             self._check_budget()
+        # on a GPU, runs that agree bit for bit at first drift apart from a step that varies run to run (atomics): where
+        # the first two differ, a third back to back, so that the noise floor is not one sample's chance
+        if self.device == "cuda" and len(self._baselines()) == 2 and not self._noise().deterministic:
+            self._trial(self.space.baseline(), ROLE_BASELINE,
+                        {"why": "the first two baseline runs' losses differ: a third measures how far they drift"})
         # on a CPU, where baseline runs agree bit for bit, one more on another number of threads shows how far this
         # script's training carries a rounding difference: the floor of the tolerance of reordering knobs
         if self.threads is not None and not any(r.role == ROLE_PERTURBED and r.machine == self.machine.key
@@ -841,7 +852,8 @@ class Search:
         if not math.isfinite(self.deadline) or len(self._baselines()) != 1 or len(self.results) != 1:
             return
         run = self._estimate()
-        fixed = 3 + (self.threads is not None)  # 2 baselines (+ the perturbed one on a CPU) and 1 trial
+        # 2 baselines (+ the perturbed one on a CPU, + a third where a GPU's runs differ) and 1 trial
+        fixed = 3 + (self.threads is not None or self.device == "cuda")
         runs = fixed + 2 * self.o.confirm
         need = run * runs
         if self.o.budget and need > self.o.budget * (1 + OVERRUN):
