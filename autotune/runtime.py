@@ -928,7 +928,8 @@ def _start_trial() -> _Trial | None:
     pids = spec.get("pids")
     if pids:  # a launcher may start its ranks in sessions of their own: the search kills them by these ids
         Path(pids).mkdir(parents=True, exist_ok=True)
-        Path(pids, str(os.getpid())).write_text(str(trial.rank), encoding="utf-8")
+        # "rank world_size": which ranks started, should none of them live to write a result
+        Path(pids, str(os.getpid())).write_text(f"{trial.rank} {trial.world_size}", encoding="utf-8")
     if trial.search_pid is not None:
         _watch_search(trial.search_pid)
     return trial

@@ -222,27 +222,31 @@ def _mean_rows(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[list[float
     return out
 
 
-def merge_ranks(results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """One trial result from the result files of a launcher's ranks (None when there are none).
+def merge_ranks(results: Sequence[Mapping[str, Any]], started: Mapping[int, int] | None = None) -> dict[str, Any] | None:
+    """One trial result from the result files of a launcher's ranks (None when there are none and no rank started).
 
     Timing comes from rank 0; the losses are each step's mean over the ranks (every rank's own are kept under
     ``rank_losses``); peak memory is the largest rank's; samples per step add up over the ranks (data parallel).
     The trial fails when any rank failed, or left no result: as the rank that failed first (by the wall-clock time
-    each rank wrote its result: the others then failed because it was gone).
+    each rank wrote its result: the others then failed because it was gone). ``started``: rank -> world size of
+    the ranks that started, which tells the world size when no rank lived to write a result (torchrun stops the
+    others with SIGTERM when one is killed, and may do so before they notice).
     """
-    if not results:
+    started = dict(started or {})
+    if not results and not started:
         return None
     by_rank = {int(r.get("rank") or 0): r for r in results}
     ranks = [by_rank[k] for k in sorted(by_rank)]
-    world = max(max(int(r.get("world_size") or 1) for r in ranks), len(ranks))
+    sizes = [int(r.get("world_size") or 1) for r in ranks] + list(started.values()) + [k + 1 for k in started]
+    world = max(*sizes, len(ranks))
     missing = [k for k in range(world) if k not in by_rank]
-    out = dict(by_rank.get(0, ranks[0]))
+    out = dict(by_rank.get(0, ranks[0])) if ranks else {"status": "error", "losses": []}
     out["rank_losses"] = [by_rank.get(k, {}).get("losses") or [] for k in range(world)]  # [] for a rank without one
     out["losses"] = _mean_rows(out["rank_losses"])
     out["ranks"] = world
-    out["steps_done"] = min(int(r.get("steps_done") or 0) for r in ranks)
+    out["steps_done"] = min((int(r.get("steps_done") or 0) for r in ranks), default=0)
     out["peak_memory"] = max((r["peak_memory"] for r in ranks if r.get("peak_memory") is not None), default=None)
-    if all(r.get("applied") is not None for r in ranks):  # a knob reached the program when it did on any rank
+    if ranks and all(r.get("applied") is not None for r in ranks):  # a knob reached the program when it did on any rank
         out["applied"] = list(dict.fromkeys(k for r in ranks for k in r["applied"]))
     batches = [r.get("batch_size") for r in ranks]
     out["batch_size"] = sum(batches) if not missing and None not in batches else None
@@ -269,6 +273,18 @@ def _rank_results(tdir: Path) -> list[dict[str, Any]]:
             out.append(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError):  # written by os.replace, so never half a file; gone with the trial folder
             pass
+    return out
+
+
+def _started_ranks(tdir: Path) -> dict[int, int]:
+    """rank -> world size of the ranks that started, from the files the runtime writes into the trial's pids folder."""
+    out = {}
+    for f in (tdir / "pids").glob("*"):
+        try:
+            rank, world = (int(v) for v in f.read_text(encoding="utf-8").split())
+        except (OSError, ValueError):  # being written, or not ours
+            continue
+        out[rank] = world
     return out
 
 
@@ -515,7 +531,7 @@ class Runner:
                 self._stop(proc, tdir, others)
         wall = time.perf_counter() - started
         if s.launcher:
-            result = merge_ranks(_rank_results(tdir))
+            result = merge_ranks(_rank_results(tdir), _started_ranks(tdir))
         else:
             try:
                 result = json.loads(result_path.read_text(encoding="utf-8"))
