@@ -28,7 +28,7 @@ from loss_probe import run_probe  # noqa: E402
 
 from autotune.analysis import load_project  # noqa: E402
 from autotune.knob_table import KNOBS  # noqa: E402
-from autotune.search.gate import Noise, judge, measure_noise, numerics_of, step_deviations, tolerances  # noqa: E402
+from autotune.search.gate import Noise, judge, measure_noise, numerics_of, step_deviations  # noqa: E402
 from autotune.search.trial import Outcome, TrialResult  # noqa: E402
 from autotune.patch import run, select  # noqa: E402
 
@@ -48,8 +48,7 @@ def replay(path: Path, steps: int, runs: int | None = None, perturbed: bool = Tr
     curves = json.loads(path.read_text(encoding="utf-8"))["curves"]
 
     def result(name: str, role: str = "search") -> TrialResult:
-        losses = tuple(tuple(row) for row in curves[name][:steps])
-        return TrialResult({}, role, Outcome.OK, losses=losses, step_times=(1.0,) * len(losses))
+        return _result(curves[name][:steps], role)
 
     baselines = [result(n, "baseline") for n in curves if n.startswith("baseline")][:runs]
     noise = measure_noise(baselines, [result("perturbed", "perturbed")] if perturbed else [])
@@ -58,11 +57,21 @@ def replay(path: Path, steps: int, runs: int | None = None, perturbed: bool = Tr
     for name in curves:
         if name.startswith("baseline") or name == "perturbed":
             continue
-        verdict = judge(result(name), baselines[0], [KNOBS[k] for k in CONFIGS[name]], noise)
-        where = (f"mean over steps {verdict.window[0]}..{verdict.window[1]}" if verdict.window
-                 else f"largest, at step {verdict.step}" if verdict.step else "largest")
-        print(f"  {name:9s} {'passes ' if verdict.passed else 'refused'}: deviation {verdict.deviation:.1e} ({where}), "
-              f"tolerance {verdict.tolerance:.1e}")
+        print(f"  {name:9s} {_verdict(result(name), baselines[0], CONFIGS[name], noise)}")
+
+
+def _result(curve: list[list[float]], role: str = "search") -> TrialResult:
+    losses = tuple(tuple(row) for row in curve)
+    return TrialResult({}, role, Outcome.OK, losses=losses, step_times=(1.0,) * len(losses))
+
+
+def _verdict(trial: TrialResult, reference: TrialResult, knobs: dict, noise: Noise) -> str:
+    """The gate's verdict, as a search would give it."""
+    verdict = judge(trial, reference, [KNOBS[k] for k in knobs], noise)
+    where = (f"mean over steps {verdict.window[0]}..{verdict.window[1]}" if verdict.window
+             else f"largest, first out at step {verdict.step}" if verdict.step else "largest")
+    return (f"{'passes' if verdict.passed else 'refused'}: deviation {verdict.deviation:.1e} ({where}), "
+            f"tolerance {verdict.tolerance:.1e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,10 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             devs = step_deviations(got, ref)
             numerics = numerics_of(KNOBS[k] for k in knobs)
             for label, noise in (("class tolerance", plain), ("with the thread floor", floor)):
-                tols = tolerances(numerics, len(devs), noise)
-                bad = [i + 1 for i, (d, t) in enumerate(zip(devs, tols)) if d > t]
-                verdict = f"refused (first at step {bad[0]})" if bad else "passes"
-                print(f"  {name:6s} ({numerics}): deviation up to {max(devs):.1e}; {label}: {verdict}")
+                print(f"  {name:6s} ({numerics}): deviation up to {max(devs):.1e}; {label}: "
+                      f"{_verdict(_result(got), _result(ref), knobs, noise)}")
         if opts.json:
             opts.json.write_text(json.dumps({"script": script, "args": args, "curves": curves}), encoding="utf-8")
     return 0
