@@ -118,23 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         curves = {"baseline": ref}
         other = max(opts.threads - 1, 1) if opts.threads > 1 else 2
         curves["perturbed"] = losses(other, {})
-        shaken = step_deviations(curves["perturbed"], ref)
-        repeated = [0.0] * len(ref)
         for n in range(opts.repeats):
-            curves[f"baseline{n + 2}"] = again = losses(opts.threads, {})
-            repeated = [max(a, b) for a, b in zip(repeated, step_deviations(again, ref))]
-        running, worst = [], 0.0
-        for d in shaken:
-            worst = max(worst, d)
-            running.append(worst)
+            curves[f"baseline{n + 2}"] = losses(opts.threads, {})
+        baselines = [_result(c, "baseline") for n, c in curves.items() if n.startswith("baseline")]
+        plain = measure_noise(baselines)  # the same noise a search measures
+        floor = measure_noise(baselines, [_result(curves["perturbed"], "perturbed")])
         print(f"{script} {' '.join(args)}: {opts.steps} steps, baseline on {opts.threads} threads")
-        print(f"  {other} thread(s) instead: deviation up to {max(shaken):.1e} (running max at the last step "
-              f"{running[-1]:.1e})")
+        print(f"  {other} thread(s) instead: deviation up to {floor.max_reorder:.1e}")
         if opts.repeats:
-            print(f"  {opts.repeats} more baseline run(s): deviation up to {max(repeated):.1e}")
-        seen = tuple(max(repeated[: i + 1]) for i in range(len(repeated)))
-        floor = Noise(2 + opts.repeats, seen, None, tuple(running), 1)
-        plain = Noise(2 + opts.repeats, seen, None)
+            print(f"  {opts.repeats} more baseline run(s): deviation up to {plain.max_loss:.1e}")
         for name in opts.configs:
             knobs = CONFIGS[name]
             curves[name] = got = losses(opts.threads, knobs)
@@ -142,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             numerics = numerics_of(KNOBS[k] for k in knobs)
             for label, noise in (("class tolerance", plain), ("with the thread floor", floor)):
                 print(f"  {name:6s} ({numerics}): deviation up to {max(devs):.1e}; {label}: "
-                      f"{_verdict(_result(got), _result(ref), knobs, noise)}")
+                      f"{_verdict(_result(got), baselines[0], knobs, noise)}")
         if opts.json:
             opts.json.write_text(json.dumps({"script": script, "args": args, "curves": curves}), encoding="utf-8")
     return 0
