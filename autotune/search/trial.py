@@ -240,7 +240,7 @@ def merge_ranks(results: Sequence[Mapping[str, Any]], started: Mapping[int, int]
     sizes = [int(r.get("world_size") or 1) for r in ranks] + list(started.values()) + [k + 1 for k in started]
     world = max(*sizes, len(ranks))
     missing = [k for k in range(world) if k not in by_rank]
-    out = dict(by_rank.get(0, ranks[0])) if ranks else {"status": "error", "losses": []}
+    out = dict(by_rank.get(0, ranks[0])) if ranks else {}  # no rank wrote one: every rank is missing, below
     out["rank_losses"] = [by_rank.get(k, {}).get("losses") or [] for k in range(world)]  # [] for a rank without one
     out["losses"] = _mean_rows(out["rank_losses"])
     out["ranks"] = world
