@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import ast
 import bisect
+import codecs
 import contextlib
 import gc
+import io
+import json
 import os
 import re
 import sys
 import threading
+import tokenize
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -67,13 +71,50 @@ def read_source(path: Path, display: str | None = None, entry: bool = True) -> s
     data = read_bytes(path, "a Python script", MAX_SOURCE_BYTES, display)
     if b"\x00" in data:
         raise UsageError(f"{display}: is a binary file, expected a Python script")
+    if path.suffix.lower() == ".ipynb" or _is_notebook(data):
+        name = Path(display).name if path.suffix.lower() == ".ipynb" else "NOTEBOOK.ipynb"
+        raise UsageError(
+            f"{display}: is a Jupyter notebook, not a Python script; export it first "
+            f"(jupyter nbconvert --to script {name}) and give autotune the .py file"
+        )
+    declared = _declared_encoding(data, display)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{display}: is not UTF-8 text (byte {exc.start}: {data[exc.start]:#x})") from None
+        said = f", and declares {declared}" if declared else ""
+        raise UsageError(f"{display}: is not UTF-8 text (byte {exc.start}: {data[exc.start]:#x}{said})") from None
+    if declared and not data.isascii():  # read as UTF-8, it would not be the text Python runs
+        raise UsageError(
+            f"{display}: declares the encoding {declared}; autotune reads and writes UTF-8 scripts only "
+            f"(convert it: iconv -f {declared} -t utf-8)"
+        )
     if entry and not text.removeprefix(BOM).strip():
         raise UsageError(f"{display}: is empty")
     return text
+
+
+def _declared_encoding(data: bytes, display: str) -> str | None:
+    """The encoding a coding line (PEP 263) declares, where it is not UTF-8; an unknown one is refused, as Python
+    refuses to run the file."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as exc:  # "unknown encoding: foo", a BOM with another declared encoding, or not UTF-8
+        if exc.msg.startswith("invalid or missing encoding declaration"):
+            return None  # no coding line, and bytes that are not UTF-8: the decoding says so, with the byte
+        raise UsageError(f"{display}: {exc.msg} (Python cannot run it either)") from None
+    return None if codecs.lookup(encoding).name in ("utf-8", "utf-8-sig") else encoding
+
+
+def _is_notebook(data: bytes) -> bool:
+    """Whether ``data`` is a Jupyter notebook's JSON (which Python would read as one dict literal)."""
+    head = data.lstrip()[:1]
+    if head != b"{":
+        return False
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and "cells" in doc and "nbformat" in doc
 
 
 def parse(text: str, display: str) -> tuple[cst.Module, ast.Module]:

@@ -34,6 +34,9 @@ BAD_INPUTS = {
     "not_utf8": (b"x = '\xff\xfe'\n", "not UTF-8"),
     "empty": ("", "is empty"),
     "binary": (b"\x7fELF\x02\x01\x01\x00\x00\x00", "binary"),
+    "unknown_coding": ("# -*- coding: foobar -*-\nimport torch\n", "unknown encoding: foobar"),
+    "latin1_coding": (b"# coding: latin-1\nname = '\xe9t\xe9'\n", "declares iso-8859-1"),
+    "notebook_as_py": ('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}', "Jupyter notebook"),
 }
 
 
@@ -56,6 +59,21 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, command, in_tmp, cap
     assert len(lines) == 1 and expected in lines[0], captured.err
     assert "Traceback" not in captured.err + captured.out
     assert _files(in_tmp) == before
+
+
+def test_notebook_is_refused_with_how_to_export(in_tmp, capsys):
+    nb = {"cells": [{"cell_type": "code", "source": ["loss.backward()"]}], "metadata": {}, "nbformat": 4}
+    (in_tmp / "train.ipynb").write_text(json.dumps(nb))
+    assert main(["scan", "train.ipynb"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "jupyter nbconvert --to script train.ipynb" in err[0]
+
+
+def test_ascii_script_with_a_legacy_coding_line_is_read(in_tmp, capsys):
+    """Python runs it as the same text UTF-8 gives, so autotune reads it (and keeps the line)."""
+    (in_tmp / "train.py").write_text("# -*- coding: latin-1 -*-\n" + CNN.read_text(encoding="utf-8"))
+    assert main(["patch", "train.py", "--out", "out"]) == 0
+    assert (in_tmp / "out/train.py").read_text().startswith("# -*- coding: latin-1 -*-\n")
 
 
 def test_syntax_error_reports_path_line_col(in_tmp, capsys):
@@ -82,6 +100,19 @@ def test_patch_without_training_loop_refuses_and_writes_nothing(in_tmp, capsys):
 def test_unknown_transform_is_a_usage_error(capsys):
     assert main(["scan", str(CNN), "--only", "warp_drive"]) == 2
     assert "unknown transform 'warp_drive'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["scan", "patch"])
+@pytest.mark.parametrize("option", [("--only", ","), ("--only", ""), ("--skip", "EVERY")], ids=["comma", "empty", "skip-all"])
+def test_an_empty_selection_of_transforms_is_an_error(command, option, in_tmp, capsys):
+    from autotune.transform import all_transforms
+
+    flag, value = option
+    value = ",".join(t.name for t in all_transforms()) if value == "EVERY" else value
+    assert main([command, str(CNN), flag, value, "--out", "out"][: 4 if command == "scan" else 6]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no transform" in err[0] and "known: " in err[0]
+    assert not (in_tmp / "out").exists()
 
 
 def test_bad_arguments_exit_2_one_line(capsys):
