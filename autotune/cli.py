@@ -64,8 +64,9 @@ def _finite(text: str) -> float:
     return value
 
 
-def _split_list(value: str | None) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()] if value else []
+def _split_list(value: str | None) -> list[str] | None:
+    """A comma-separated option's names; None where the option was not given (``--only ,`` gives an empty list)."""
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
 def _loops_summary(project: Project) -> list[dict]:

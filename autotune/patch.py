@@ -82,13 +82,22 @@ class PatchResult:
 
 
 def select(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> list[type[Transform]]:
-    """The transforms to run; an unknown name is a UsageError listing the known ones."""
+    """The transforms to run (``only`` None: all); an unknown name, or a selection of none, is a UsageError listing
+    the known ones."""
     known = {t.name: t for t in all_transforms()}
-    only, skip = list(only or []), list(skip or [])
-    for name in [*only, *skip]:
+    names = ", ".join(known)
+    if only is not None:
+        only = list(only)
+        if not only:
+            raise UsageError(f"--only names no transform (known: {names})")
+    skip = list(skip or [])
+    for name in [*(only or []), *skip]:
         if name not in known:
-            raise UsageError(f"unknown transform '{name}' (known: {', '.join(known)})")
-    return [t for n, t in known.items() if (not only or n in only) and n not in skip]
+            raise UsageError(f"unknown transform '{name}' (known: {names})")
+    chosen = [t for n, t in known.items() if (only is None or n in only) and n not in skip]
+    if not chosen:
+        raise UsageError(f"--skip leaves no transform to run (known: {names})")
+    return chosen
 
 
 def run(
