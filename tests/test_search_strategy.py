@@ -443,3 +443,33 @@ def test_on_a_gpu_whose_baseline_runs_differ_a_third_is_run_back_to_back(tmp_pat
     else:  # bit for bit: nothing more to learn from a third
         assert roles[:3] == ["baseline", "baseline", "search"]
         assert outcome.noise.deterministic
+
+
+def test_knob_values_read_from_a_study_are_shown_as_code_and_odd_ones_are_named_not_ranked(tmp_path, monkeypatch):
+    """A study others can write to may hold any value: report.md shows values as code (nothing in them is read as
+    Markdown or HTML), and a run whose value is not one of the knob's choices is named and never ranked."""
+    import optuna
+
+    from autotune.cli import main
+    from autotune.search.study import ATTR_RESULT, ATTR_ROLE
+
+    search, clock, runner = fake_search(tmp_path, monkeypatch, trials=3)
+    search.run()
+    db = tmp_path / "out" / "study.db"
+    study = optuna.load_study(study_name=search.study_name, storage=f"sqlite:///{db}")
+    fast = next(t for t in study.get_trials() if t.user_attrs.get(ATTR_ROLE) == "search")
+    odd = "x``y | <b>z</b>\n# heading"
+    result = {**fast.user_attrs[ATTR_RESULT], "config": {**fast.user_attrs[ATTR_RESULT]["config"], "gc.freeze": odd}}
+    result["step_times"] = [t / 100 for t in result["step_times"]]  # 100 times faster: it would win if ranked
+    trial = study.ask()
+    trial.set_user_attr(ATTR_ROLE, "search")
+    trial.set_user_attr(ATTR_RESULT, result)
+    study.tell(trial, 100.0)
+
+    assert main(["report", "--storage", str(db), "--out", str(tmp_path / "again")]) == 0
+    report = (tmp_path / "again" / "report.md").read_text()
+    assert f"#{trial.number}: `gc.freeze` = ```{odd!r}```" in report and "not one of that knob's choices" in report
+    assert report.count("<b>z</b>") == 1  # only inside that code span: the run is not in the tables
+    assert "\n# heading" not in report
+    doc = yaml.safe_load((tmp_path / "again" / "autotune.yaml").read_text())
+    assert doc["knobs"]["gc.freeze"] in (False, True)  # the odd run was not chosen

@@ -235,8 +235,9 @@ def test_a_storage_file_that_is_not_a_study_is_refused_and_left_as_it_was(comman
         rc, err = _cli(argv, capsys)
         assert rc == 2 and len(err.splitlines()) == 1 and name in err, err
         assert "Traceback" not in err and "Error:" not in err  # (no JSONDecodeError from a Python file)
+        assert not (tmp_path / "out").exists()  # a refusal writes nothing, not even the output folder's marker
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "out") == sorted(before)  # no .lock left either
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)  # no .lock left either
 
 
 def test_report_opens_a_study_database_read_only_and_refuses_one_without_a_study(tmp_path, capsys):
@@ -333,8 +334,16 @@ def _cli(argv, capsys):
     ],
     ids=["refused", "bad-url", "unknown-dialect", "no-journal"],
 )
-def test_report_bad_storage_is_one_line_and_exit_2(storage, message, tmp_path, capsys):
-    rc, err = _cli(["report", "--storage", storage.format(tmp=tmp_path), "--out", tmp_path / "r"], capsys)
+@pytest.mark.parametrize("command", ["search", "report"])
+def test_bad_storage_is_one_line_and_exit_2_and_writes_nothing(command, storage, message, tmp_path, capsys):
+    storage = storage.format(tmp=tmp_path)
+    if command == "search":
+        message = message.replace("no such journal file", "the folder of the journal file does not exist")
+        storage = storage.replace("missing.log", "nowhere/missing.log")
+        argv = ["search", TINY, "--out", tmp_path / "r", "--storage", storage, "--", "--iters", "12"]
+    else:
+        argv = ["report", "--storage", storage, "--out", tmp_path / "r"]
+    rc, err = _cli(argv, capsys)
     assert rc == 2 and message in err and len(err.splitlines()) == 1 and "secret" not in err
     assert not (tmp_path / "r").exists()
 

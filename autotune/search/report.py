@@ -6,6 +6,7 @@ import hashlib
 import io
 import math
 import platform
+import re
 import shlex
 import statistics
 from collections.abc import Mapping
@@ -211,6 +212,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _code(value: Any) -> str:
+    """``value`` as a Markdown code span, whatever it holds (values can come from a study others write to): a run of
+    backticks inside cannot end it, a line break cannot start a new block, and nothing in it is read as Markdown or
+    HTML. In a table, pass the result through ``_cell`` too (GitHub reads ``|`` as a column even in code)."""
+    text = " ".join(str(value).splitlines()) if value is not None else "None"
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def _deviation_kind(o: SearchOutcome, config: Mapping[str, Any]) -> str:
     """What the gate measured: reduced precision is judged on the mean over the last half of the steps."""
     if numerics_of(o.space.changed(config)) is Numerics.LOWP:
@@ -220,12 +231,12 @@ def _deviation_kind(o: SearchOutcome, config: Mapping[str, Any]) -> str:
 
 def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None, skipped: str | None) -> str:
     defaults = o.space.baseline()
-    lines = [f"# autotune search: `{o.project.entry.display}`", ""]
+    lines = [f"# autotune search: {_code(o.project.entry.display)}", ""]
     if o.winner:
         w = o.winner
         low, high, cover = w.interval
         lines.append(
-            f"**Tuned:** `{changed_text(w.config, defaults)}` is **{w.speedup:.2f}x** the baseline's speed "
+            f"**Tuned:** {_code(changed_text(w.config, defaults))} is **{w.speedup:.2f}x** the baseline's speed "
             f"({100 * cover:.0f}% confidence interval {low:.2f}x to {high:.2f}x; faster in {w.wins} of {len(w.ratios)} "
             f"interleaved A/B pairs, sign test p = {w.p_value:.3f}); "
             f"{_deviation_kind(o, w.config)} {_fmt(doc['max_loss_deviation'])} (tolerance {_fmt(doc['loss_tolerance'])})."
@@ -240,10 +251,12 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
     thr = doc["throughput"]
     lines += [
         "",
-        f"- Command: `autotune search {shlex.quote(o.project.entry.display)}"
-        + (f" --launcher {shlex.quote(o.options.launcher)}" if o.options.launcher else "")
-        + (f" -- {shlex.join(o.options.args)}" if o.options.args else "")
-        + "`",
+        "- Command: "
+        + _code(
+            f"autotune search {shlex.quote(o.project.entry.display)}"
+            + (f" --launcher {shlex.quote(o.options.launcher)}" if o.options.launcher else "")
+            + (f" -- {shlex.join(o.options.args)}" if o.options.args else "")
+        ),
         "- Files: each run ran in a mirror of the working directory; what it wrote there (checkpoints, logs) went "
         "into the run's own folder and was deleted with it, and your files were only read",
         f"- Machine: {o.machine} ({o.device}); torch {doc['versions']['torch']}, Python {doc['versions']['python']}",
@@ -271,8 +284,17 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         f"- Search: {o.mode} {doc['search']['configurations_measured']} of {o.space.size} configurations, "
         f"{len(o.results)} runs in {o.wall_s:.0f}s{_span_note(o)}; stopped: {o.stopped}; "
         f"{o.options.warmup} warm-up + {o.options.steps} measured steps per run",
-        f"- Study: `{o.study_name}` in `{o.storage}` (run the same command again to resume or extend it)",
+        f"- Study: {_code(o.study_name)} in {_code(o.storage)} (run the same command again to resume or extend it)",
     ]
+    if o.foreign:
+        odd = "; ".join(
+            f"#{n}: " + ", ".join(f"{_code(k)} = {_code(repr(v))}" for k, v in values) for n, values in sorted(
+                o.foreign.items(), key=lambda item: -1 if item[0] is None else item[0])
+        )
+        lines.append(
+            f"- Left out: {len(o.foreign)} run(s) of the study hold a knob value that is not one of that knob's "
+            f"choices in this search (or a knob it does not search); they were neither ranked nor shown below: {odd}"
+        )
     if o.hidden:
         lines.append(
             f"- {o.hidden} sampler proposal(s) repeated a configuration already measured: told its result, not run "
@@ -291,7 +313,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
                   for i, s in enumerate(o.plan.path, 1)]
     if o.interactions:
         lines += ["", "What each knob of the tuned configuration is worth (speedups of single search runs):", ""]
-        lines += [f"- `{_cell(x.split(': ', 1)[0])}`: {_cell(x.split(': ', 1)[1])}" for x in o.interactions]
+        lines += [f"- {_cell(_code(x.split(': ', 1)[0]))}: {_cell(x.split(': ', 1)[1])}" for x in o.interactions]
     lines += [
         "",
         "## Trials",
@@ -323,7 +345,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
                 for x in (
                     str(r.number),
                     r.role,
-                    f"`{o.labels.get(r.number) or changed_text(r.config, defaults)}`",
+                    _code(o.labels.get(r.number) or changed_text(r.config, defaults)),
                     str(r.status),
                     f"{r.throughput:.2f}" if r.throughput else "-",
                     f"{r.samples_per_s:.0f}" if r.samples_per_s else "-",
@@ -348,7 +370,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         for c in o.confirmations:
             ratios = ", ".join(f"{x:.3f}" for x in c.ratios) or "-"
             lines.append(
-                f"| `{_cell(changed_text(c.config, defaults))}` | {speed_text(c.search_speedup)} | {ratios} | "
+                f"| {_cell(_code(changed_text(c.config, defaults)))} | {speed_text(c.search_speedup)} | {ratios} | "
                 f"{'accepted' if c.accepted else 'rejected'}: {_cell(c.reason)} |"
                 + (f" {_cell(c.machine)} |" if several else "")
             )
@@ -356,8 +378,8 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
     lines.append(f"![throughput per trial]({plot.name})" if plot else f"(plot skipped: {skipped})")
     lines += ["", "## Knobs", "", "| knob | choices searched | numerics | chosen |", "|---|---|---|---|"]
     for k in o.space.knobs:
-        choices = ", ".join(f"`{c}`" for c in o.space.choices[k.name])
-        lines.append(f"| `{k.name}` | {choices} | {k.numerics} | `{o.chosen[k.name]}` |")
+        cells = (_code(k.name), ", ".join(_code(c) for c in o.space.choices[k.name]), str(k.numerics), _code(o.chosen[k.name]))
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     if o.space.left_out:
         lines += ["", "Not searched: " + "; ".join(f"`{k}` ({why})" for k, why in sorted(o.space.left_out.items()))]
     lines += [

@@ -175,6 +175,8 @@ class SearchOutcome:
     labels: Mapping[int, str] = field(default_factory=dict)  # trial number -> the knobs that change its program
     hidden: int = 0  # sampler proposals of configurations already measured, told the earlier result, not shown
     reserved_s: float | None = None  # the time the search set aside for confirmation
+    # runs of the study left out because a knob value stored with them is not one of its choices: trial -> values
+    foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
 
     @property
     def noisy(self) -> str | None:
@@ -311,6 +313,7 @@ class Search:
         self.mode = "descent"
         self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
         self.results: list[TrialResult] = []
+        self.foreign: dict[int | None, list[tuple[str, Any]]] = {}  # study runs left out: trial -> odd knob values
         self._claims: set[str] = set()  # what other workers are measuring now
         self._taken: set[str] = set()  # of that, the programs (code keys) of search trials
         self._waiting: frozenset[str] = frozenset()
@@ -355,6 +358,8 @@ class Search:
             )
         self.started = self.clock()
         self.deadline = self.started + self.o.budget if self.o.budget else math.inf
+        # a storage of the user's is opened first: one it refuses leaves nothing behind, not even the output folder
+        storage = open_storage(self.o.storage) if self.o.storage is not None else None
         claim_out_dir(self.out)
         lock = _Lock(self.out)
         env = dict(self.o.env)
@@ -371,7 +376,7 @@ class Search:
         self.runner = None
         self.threads = thread_counts(env, bool(self.launcher)) if self.device == "cpu" else None
         try:
-            storage = open_storage(self.o.storage, self.out / DB_NAME)
+            storage = storage or open_storage(None, self.out / DB_NAME)
             self.storage_desc = storage.description
             self.machine = this_machine(self.device, env)
             self.store = StudyStore(storage, self.study_name, seed=self.o.seed, machine=self.machine.key)
@@ -418,7 +423,7 @@ class Search:
             )
         self.store = store
         self.storage_desc = store.storage.description
-        self.results = store.results()
+        self.results = self._admit(store.results())
         if not self.results:
             raise UsageError(f"study '{store.name}' has no finished trials yet")
         self.plan = self.strategy.plan(self.view())
@@ -476,6 +481,7 @@ class Search:
             startup=self._startup(winner) if winner else None,
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
+            foreign=dict(self.foreign),
         )
 
     def _interactions(self, config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -524,8 +530,21 @@ class Search:
 
     def _refresh(self) -> None:
         """The study as it is now: every worker's finished trials, and what the other workers are measuring."""
-        self.results, self._claims = self.store.refresh()
+        results, self._claims = self.store.refresh()
+        self.results = self._admit(results)
         self._taken = {parts[1] for parts in map(json.loads, self._claims) if parts[0] == ROLE_SEARCH}
+
+    def _admit(self, results: list[TrialResult]) -> list[TrialResult]:
+        """The study's results whose configuration is one of this space's; the others (a value that is not one of
+        a knob's choices: a study others can write to) are kept aside, for the report to name, and never ranked."""
+        kept = []
+        for r in results:
+            odd = self.space.foreign(r.config)
+            if odd:
+                self.foreign[r.number] = odd
+            else:
+                kept.append(r)
+        return kept
 
     # timing and budgets
 

@@ -146,6 +146,23 @@ class SearchSpace:
     def describe(self) -> dict[str, list[Any]]:
         return {k.name: list(self.choices[k.name]) for k in self.knobs}
 
+    def foreign(self, config: Config) -> list[tuple[str, Any]]:
+        """The entries of ``config`` that are not a knob of this space set to one of its choices (a configuration
+        read from a study that others can write to)."""
+        names = {k.name for k in self.knobs}
+        out = [(k.name, config[k.name]) for k in self.knobs if k.name in config and not has(self.choices[k.name], config[k.name])]
+        return out + [(n, v) for n, v in config.items() if n not in names]
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal by type and value: 1 is not True, 2.0 is not 2."""
+    return type(a) is type(b) and a == b
+
+
+def has(choices: Iterable[Any], value: Any) -> bool:
+    """Whether ``value`` is one of ``choices`` (by type and value)."""
+    return any(same_value(c, value) for c in choices)
+
 
 def config_key(config: Config) -> str:
     """A stable text key of a configuration, for finding configurations already measured."""

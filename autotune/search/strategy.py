@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from autotune.search.space import SearchSpace
+from autotune.search.space import SearchSpace, has, same_value
 
 Config = Mapping[str, Any]
 MAX_PASSES = 4  # coordinate-descent passes over the knobs; each pass that changes nothing ends the descent
@@ -123,18 +123,18 @@ class StrongStart:
         values = {}
         for n, v in start.items():
             if n in knobs:
-                values[n] = v if _has(space.choices[n], v) else space.choices[n][-1]
-        self.start_order = [n for n, v in values.items() if not _same_value(v, knobs[n].default)]
+                values[n] = v if has(space.choices[n], v) else space.choices[n][-1]
+        self.start_order = [n for n, v in values.items() if not same_value(v, knobs[n].default)]
         self.start = {**space.baseline(), **{n: values[n] for n in self.start_order}}
         self.expensive = [
-            (n, v) for n, values in expensive.items() if n in knobs for v in values if _has(space.choices[n], v)
+            (n, v) for n, values in expensive.items() if n in knobs for v in values if has(space.choices[n], v)
         ]
         # descent order: the start's knobs by expected effect, then the others
         self.order = self.start_order + [k.name for k in space.knobs if k.name not in self.start_order]
 
     def is_expensive(self, name: str, value: Any) -> bool:
         """Whether ``name=value`` is an expensive choice (tried last, when the budget covers its compile)."""
-        return any(n == name and _same_value(v, value) for n, v in self.expensive)
+        return any(n == name and same_value(v, value) for n, v in self.expensive)
 
     def plan(self, view: View) -> Plan:
         path: list[Step] = []
@@ -153,7 +153,7 @@ class StrongStart:
                 return stop(Proposal(current, "start", "the configuration the field switches on for this device"), base)
             path.append(Step("start", f"start: {label(current, self.space)}", current, _speed(got)))
             # 2. blame: while it fails, bisect the changed knobs for the one that breaks it, drop it, measure again
-            changed = [n for n in self.order if not _same_value(current.get(n), self.space.baseline()[n])]
+            changed = [n for n in self.order if not same_value(current.get(n), self.space.baseline()[n])]
             while not got.ok:
                 lo, hi, failure = 0, len(changed), got  # prefix lo passes (the baseline does), prefix hi fails
                 while hi - lo > 1:
@@ -270,7 +270,7 @@ class StrongStart:
         """``incumbent`` with each other choice of knob ``name`` (distinct programs; blamed and expensive ones out)."""
         out: list[dict[str, Any]] = []
         for choice in self.space.choices[name]:
-            if _same_value(choice, incumbent.get(name)) or self.is_expensive(name, choice):
+            if same_value(choice, incumbent.get(name)) or self.is_expensive(name, choice):
                 continue
             if (name, _text(choice)) in blamed:
                 continue
@@ -335,13 +335,6 @@ def _failure_text(o: Observation) -> str:
     return f"{o.status}" + (f": {o.error}" if o.error else "")
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal by type and value: 1 is not True, 2.0 is not 2."""
-    return type(a) is type(b) and a == b
-
-
-def _has(choices: Sequence[Any], value: Any) -> bool:
-    return any(_same_value(c, value) for c in choices)
 
 
 def sign_test(wins: int, n: int) -> float:
