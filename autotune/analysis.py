@@ -693,20 +693,22 @@ class StepScope:
     zero_grads: tuple[cst.Call, ...]
 
     def loss_exprs(self) -> list[cst.BaseExpression]:
-        """The tensors ``backward()`` is called on, unwrapped from ``scaler.scale(...)``; the argument of
-        ``accelerator.backward(loss)``, ``fabric.backward(loss)`` and ``torch.autograd.backward(loss)``."""
-        out = []
-        for call in self.backward:
-            recv = call.func.value  # type: ignore[attr-defined]
-            if is_framework_backward(self.module, call):
-                if call.args and call.args[0].keyword is None and not call.args[0].star:
-                    out.append(call.args[0].value)
-                continue
-            if isinstance(recv, cst.Call) and isinstance(recv.func, cst.Attribute) and recv.func.attr.value == "scale":
-                if recv.args:
-                    recv = recv.args[0].value
-            out.append(recv)
-        return out
+        """The tensors the step's backward calls run on (see ``loss_expr``)."""
+        return [e for call in self.backward if (e := loss_expr(self.module, call)) is not None]
+
+
+def loss_expr(facts: ModuleFacts, call: cst.Call) -> cst.BaseExpression | None:
+    """The tensor a backward call runs on: ``loss`` of ``loss.backward()``, unwrapped from ``scaler.scale(...)``;
+    the argument of ``accelerator.backward(loss)``, ``fabric.backward(loss)`` and ``torch.autograd.backward(loss)``."""
+    recv = call.func.value  # type: ignore[attr-defined]
+    if is_framework_backward(facts, call):
+        if call.args and call.args[0].keyword is None and not call.args[0].star:
+            return call.args[0].value
+        return None
+    if isinstance(recv, cst.Call) and isinstance(recv.func, cst.Attribute) and recv.func.attr.value == "scale":
+        if recv.args:
+            recv = recv.args[0].value
+    return recv
 
 
 # Libraries whose objects run backward() on the loss they are given (and scale it under their own precision).

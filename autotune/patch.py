@@ -22,6 +22,7 @@ from autotune.analysis import (
     TrainingLoop,
     deep,
     load_project,
+    loss_expr,
     no_gc,
     source_lines,
 )
@@ -260,12 +261,29 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
         if any(facts.is_runtime_call(c, "step") for c in facts.calls_in(scope.owner)):
             continue  # already patched
         losses = _hook_losses(facts, scope.loss_exprs())
+        hidden = False  # a path on which the step hook sees no loss: bound only inside an inner loop
         for anchor in _hook_anchors(facts, scope):
             args = [code for code in losses if not unbound(facts, anchor, code, after=True)]
+            hidden = hidden or (bool(losses) and not args)
             batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
             if batch is not None and batch not in args and not unbound(facts, anchor, batch, after=True):
                 args.append(f"batch={batch}")
             edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
+        if hidden:
+            _accumulate_hooks(facts, scope, edits)
+
+
+def _accumulate_hooks(facts: ModuleFacts, scope: StepScope, edits: Edits) -> None:
+    """Gradient accumulation over an inner loop (``for micro in range(accum): loss = ... / accum; loss.backward()``)
+    binds the loss only inside that loop: after each backward, ``_autotune.accumulate(loss)`` (a no-op outside
+    trials) adds it to the optimizer step's loss, which a step hook that sees no loss of its own records."""
+    for call in scope.backward:
+        expr = loss_expr(facts, call)
+        codes = _hook_losses(facts, [expr] if expr is not None else [])
+        at = facts.statement_of(call)
+        codes = [code for code in codes if not unbound(facts, at, code, after=True)]
+        if codes:
+            edits.insert_after(at, stmt(f"{edits.runtime('accumulate')}({', '.join(codes)})\n"))
 
 
 def _hook_anchors(facts: ModuleFacts, scope: StepScope) -> list[cst.BaseStatement]:

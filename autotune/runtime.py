@@ -702,6 +702,7 @@ class _Trial:
         self.count = 0
         self.stamps: list[float] = []
         self.losses: list[Any] = []
+        self.pending: list[tuple] = []  # the losses of this optimizer step's micro-steps (gradient accumulation)
         self.batch: int | None = None
         self.written = False
         self.first_step_at: float | None = None
@@ -715,12 +716,16 @@ class _Trial:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
+    def accumulate(self, losses: tuple) -> None:
+        self.pending.append(_copies(losses))
+
     def step(self, losses: tuple, batch: Any) -> None:
         self.count += 1
         if losses:
-            # a copy, not a view: under CUDA graphs (compile's reduce-overhead) the loss lives in the graph's static
-            # output buffer, which the next replay overwrites; clone() is queued on the device, no host sync
-            self.losses.append(tuple(l.detach().clone() if hasattr(l, "detach") else l for l in losses))
+            self.losses.append(_copies(losses))
+        elif self.pending:  # the step's loss is the sum of its micro-steps' (each scaled by 1/accumulation, as a rule)
+            self.losses.append(tuple(sum(column[1:], column[0]) for column in zip(*self.pending)))
+        self.pending = []
         if self.batch is None and batch is not None and hasattr(batch, "shape") and len(batch.shape) > 0:
             self.batch = int(batch.shape[0])
         if self.count == 1:
@@ -1004,6 +1009,19 @@ def _watch_search(pid: int) -> None:
 
 
 _trial = _start_trial()
+
+
+def _copies(losses: tuple) -> tuple:
+    # a copy, not a view: under CUDA graphs (compile's reduce-overhead) the loss lives in the graph's static output
+    # buffer, which the next replay overwrites; clone() is queued on the device, no host sync
+    return tuple(l.detach().clone() if hasattr(l, "detach") else l for l in losses)
+
+
+def accumulate(*losses: Any) -> None:
+    """Called by patched scripts after each micro-step's backward where the step hook cannot see the loss (it is
+    bound only inside a gradient-accumulation loop); does nothing outside a trial."""
+    if _trial is not None:
+        _trial.accumulate(losses)
 
 
 def step(*losses: Any, batch: Any = None) -> None:

@@ -86,3 +86,78 @@ def test_an_epoch_loop_that_calls_the_batch_loops_method_is_not_a_training_loop(
     assert loop.module.function_of(loop.node).name.value == "_run_epoch"
     text = run(project).files[0].new_text
     assert text.count("_autotune.step(") == 1 and text.count("_autotune.gc_pause()") == 1
+
+
+def test_a_loss_bound_only_inside_a_micro_step_loop_is_accumulated(tmp_path):
+    # the nanoGPT shape: backward inside `for micro_step in range(accum)`, one optimizer step after it
+    body = """
+    for it in range(iters):
+        for micro_step in range(accum):
+            with ctx:
+                loss = nn.functional.mse_loss(model(x), y)
+                loss = loss / accum
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    """
+    script = tmp_path / "train.py"
+    script.write_text(HEAD + "scaler = torch.amp.GradScaler(enabled=False)\n" + textwrap.dedent(body))
+    (file,) = run(load_project(script), select(["gc"])).files
+    lines = [line.strip() for line in file.new_text.splitlines()]
+    assert lines[lines.index("_autotune.accumulate(loss)") - 1] == "scaler.scale(loss).backward()"
+    assert lines[lines.index("_autotune.step()") - 1] == "scaler.step(opt)"  # it records the micro-steps' sum
+
+
+def test_a_loss_the_step_hook_sees_is_not_also_accumulated(tmp_path):
+    body = """
+    for i, (x, y) in enumerate(data):
+        loss = nn.functional.mse_loss(model(x), y) / 4
+        loss.backward()
+        if (i + 1) % 4 == 0:
+            opt.step()
+    """
+    script = tmp_path / "train.py"
+    script.write_text(HEAD + textwrap.dedent(body))
+    (file,) = run(load_project(script), select(["gc"])).files
+    assert "_autotune.accumulate(" not in file.new_text
+
+
+def test_a_trial_records_the_sum_of_the_micro_steps_losses_per_optimizer_step(tmp_path):
+    """Each optimizer step's loss is the sum of its micro-steps' (each divided by the accumulation count): the loss
+    of the step's whole batch, which the gate compares like any other."""
+    import torch
+
+    from autotune.search.trial import Outcome, Runner, TrialSettings
+
+    script = REPO / "fixtures/scripts/accum_micro.py"
+    settings = TrialSettings(("--iters", "8", "--grad-accum", "3"), tmp_path, "cpu", 2, 4, {"OMP_NUM_THREADS": "1"})
+    result = Runner(run(load_project(script)), tmp_path / "work", settings).run({}, "baseline", timeout=120)
+    assert result.status is Outcome.OK, result.error or result.stderr_tail
+    assert len(result.losses) == 6 and all(len(row) == 1 for row in result.losses)
+    # the same sums, by hand: the script's model, data and micro-batches, one optimizer step at a time
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accum_micro", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(1337)
+    torch.set_num_threads(1)
+    data = torch.randint(65, (20_000,))
+    gen = torch.Generator().manual_seed(0)
+    model = mod.TinyLM(65, 32, 4, 2, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    X, Y = mod.get_batch(data, 4, 16, gen)
+    expected = []
+    for _ in range(6):
+        total = 0.0
+        for _ in range(3):
+            _, loss = model(X, Y)
+            loss = loss / 3
+            X, Y = mod.get_batch(data, 4, 16, gen)
+            loss.backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        expected.append(float(total))
+    assert [row[0] for row in result.losses] == pytest.approx(expected, rel=1e-6)
