@@ -473,3 +473,26 @@ def test_knob_values_read_from_a_study_are_shown_as_code_and_odd_ones_are_named_
     assert "\n# heading" not in report
     doc = yaml.safe_load((tmp_path / "again" / "autotune.yaml").read_text())
     assert doc["knobs"]["gc.freeze"] in (False, True)  # the odd run was not chosen
+
+
+class BlindRunner(FakeRunner):
+    """A script whose loss autotune cannot see (computed inside a call): every run records no loss."""
+
+    def run(self, config, role, timeout, on_start=None, attrs=None):
+        return super().run(config, role, timeout, on_start, attrs).with_(losses=())
+
+
+def test_runs_whose_losses_cannot_be_compared_are_unverified_not_diverged(tmp_path, monkeypatch):
+    from autotune.search.trial import Outcome
+
+    monkeypatch.setattr("autotune.search.search.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.runner_factory = lambda *a, **k: BlindRunner(clock)
+    outcome = search.run()
+    tried = [r for r in outcome.results if r.role == "search"]
+    numeric = [r for r in tried if any(k.numerics is not Numerics.EXACT for k in search.space.changed(r.config))]
+    assert numeric and all(r.status is Outcome.UNVERIFIED for r in numeric)
+    assert all("not visible to autotune" in r.error for r in numeric)
+    assert not any(r.status is Outcome.DIVERGED for r in outcome.results)
+    exact = [r for r in tried if r not in numeric]
+    assert exact and all(r.status is Outcome.OK for r in exact)  # knobs that change no numerics need no losses

@@ -20,6 +20,7 @@ from autotune.search.trial import Outcome, TrialResult
 STATUS_STYLE = {
     Outcome.OK: "green",
     Outcome.DIVERGED: "yellow",
+    Outcome.UNVERIFIED: "yellow",
     Outcome.UNREACHED: "yellow",
     Outcome.SHORT: "yellow",
     Outcome.INTERRUPTED: "dim",

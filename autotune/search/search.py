@@ -663,7 +663,11 @@ class Search:
         status = Outcome.OK if verdict.passed else Outcome.DIVERGED
         error = None
         if not verdict.passed and math.isnan(verdict.deviation):
-            error = "the script's loss is not visible to autotune, so only knobs that change no numerics can be tried"
+            status = Outcome.UNVERIFIED
+            error = (
+                "the script's loss is not visible to autotune, so its losses cannot be compared: only knobs that "
+                "change no numerics can be taken"
+            )
         elif not verdict.passed and verdict.window and math.isfinite(verdict.deviation):
             first, last = verdict.window
             error = (

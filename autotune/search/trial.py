@@ -47,6 +47,9 @@ class Outcome(str, Enum):
     CRASH = "crash"  # any other failure: the stderr tail says what
     SHORT = "short"  # the script ended before the warm-up and measured steps were done
     DIVERGED = "diverged"  # finished, but its losses are outside the gate's tolerance
+    # finished, but its losses cannot be compared with the baseline's (the script's loss is not visible to autotune),
+    # and it changes numerics: it may be right, it may not; never ranked
+    UNVERIFIED = "unverified"
     UNREACHED = "unreached"  # finished, but a knob it changes never took effect: it measured another program
     INTERRUPTED = "interrupted"  # the search was stopped during this trial: not a measurement
 
@@ -96,7 +99,7 @@ class TrialResult:
     @property
     def measured(self) -> bool:
         """Whether the run finished its window, so its time and losses mean something."""
-        return self.status in (Outcome.OK, Outcome.DIVERGED) and bool(self.step_times)
+        return self.status in (Outcome.OK, Outcome.DIVERGED, Outcome.UNVERIFIED) and bool(self.step_times)
 
     @property
     def step_time(self) -> float | None:
