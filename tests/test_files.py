@@ -74,7 +74,7 @@ def _command(kind: str, out: Path, tmp_path: Path) -> list[str]:
         config.write_text("knobs:\n  gc.freeze: true\n")
         return ["bake", str(TINY), "--config", str(config), "--out", str(out)]
     return ["search", str(TINY), "--out", str(out), "--space", _space(tmp_path), "--device", "cpu", "--trials", "2",
-            "--steps", "2", "--warmup", "1", "--confirm", "1", "--", "--iters", "6"]
+            "--steps", "2", "--warmup", "1", "--confirm", "5", "--", "--iters", "6"]
 
 
 @pytest.mark.parametrize("kind", ["patch", "bake", "search"])

@@ -21,10 +21,11 @@ from procs import wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "search" / "tiny.py"
+LOADER = REPO / "fixtures" / "search" / "loader.py"  # DataLoader workers win clearly, on any machine
 FAILURES = REPO / "fixtures" / "search" / "failures.py"
 # one intra-op thread: faster for these tiny models and steadier on a shared 2-core machine
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "1"]
+SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "5"]
 
 pytestmark = pytest.mark.slow
 
@@ -57,51 +58,48 @@ def write_space(path: Path, knobs: dict) -> Path:
 
 
 def test_search_end_to_end(tmp_path):
-    space = write_space(tmp_path / "space.yaml", {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]})
+    space = write_space(tmp_path / "space.yaml", {"dataloader.num_workers": [0, 2], "gc.freeze": [False, True]})
     out = tmp_path / "out"
-    cmd = ["search", TINY, "--out", out, "--space", space, "--study-name", "e2e", *SMALL, "--", "--iters", "12"]
+    cmd = ["search", LOADER, "--out", out, "--space", space, "--study-name", "e2e", *SMALL, "--", "--iters", "12"]
     run = autotune(cmd, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"perturbed \(\d+ threads?\) +baseline +ok", run.stdout), run.stdout
 
-    for name in ("tiny.py", "autotune.yaml", "tuned.diff", "report.md", "throughput.png", "study.db"):
+    for name in ("loader.py", "autotune.yaml", "tuned.diff", "report.md", "throughput.png", "study.db"):
         assert (out / name).is_file(), name
     assert not (out / ".work").exists() and not (out / ".autotune.lock").exists()
 
     doc = yaml.safe_load((out / "autotune.yaml").read_text())
-    assert doc["script_sha256"] == hashlib.sha256(TINY.read_bytes()).hexdigest()
+    assert doc["script_sha256"] == hashlib.sha256(LOADER.read_bytes()).hexdigest()
     assert doc["device"] == "cpu" and doc["args"] == ["--iters", "12"]
-    assert set(doc["knobs"]) == {"fused_optimizer.impl", "gc.freeze"}
-    assert doc["winner"] in ("tuned", "baseline")
-    assert doc["throughput"]["baseline"]["steps_per_s"] > 0 and doc["throughput"]["baseline"]["samples_per_s"] is None
+    assert set(doc["knobs"]) == {"dataloader.num_workers", "gc.freeze"}
+    base = doc["throughput"]["baseline"]
+    assert base["steps_per_s"] > 0 and base["samples_per_s"] == pytest.approx(16 * base["steps_per_s"], rel=1e-3)
     assert doc["noise"]["deterministic"] is True  # the fixture is seeded: bit-identical losses run to run
     assert doc["noise"]["perturbed_runs"] == 1  # and once on another thread count, for the reordering floor
     # the baseline, the start and the descent's steps from it (which ones depends on the measured speeds)
-    assert doc["search"]["mode"] == "descent" and doc["search"]["configurations_measured"] >= 3
-    assert doc["search"]["path"][0] == "start: fused_optimizer.impl=foreach, gc.freeze=true"
+    assert doc["search"]["mode"].startswith("descent") and doc["search"]["configurations_measured"] >= 3
+    assert doc["search"]["path"][0] == "start: dataloader.num_workers=2, gc.freeze=true"
     import torch
 
     assert doc["versions"]["torch"] == str(torch.__version__)
 
-    tuned = (out / "tiny.py").read_text()
-    compile(tuned, "tiny.py", "exec")
-    assert "autotune" not in tuned
-    changed = doc["changed"]
-    if doc["winner"] == "baseline":
-        assert changed == {} and tuned == TINY.read_text() and (out / "tuned.diff").read_text() == ""
-        assert doc["speedup"] == 1.0
-    else:
-        assert changed and doc["speedup"] > 1.0 and doc["speedup_spread"][0] <= doc["speedup"]
-        rel = TINY.relative_to(REPO).as_posix() if (REPO / ".git").exists() else TINY.name  # git apply from the root
-        assert (out / "tuned.diff").read_text().startswith(f"--- a/{rel}\n+++ b/{rel}\n")
-        if "gc.freeze" in changed:
-            assert "gc.freeze()" in tuned
-    ran = subprocess.run([sys.executable, out / "tiny.py", "--iters", "3"], env=ENV, capture_output=True, timeout=120)
+    # the workers load while the model trains: a clear win on any machine, confirmed in 5 of 5 pairs
+    assert doc["winner"] == "tuned" and doc["changed"]["dataloader.num_workers"] == 2, doc["verdict"]
+    assert doc["speedup"] > 1.0 and doc["speedup_spread"][0] <= doc["speedup"]
+    tuned = (out / "loader.py").read_text()
+    compile(tuned, "loader.py", "exec")
+    assert "autotune" not in tuned and "num_workers=2" in tuned
+    rel = LOADER.relative_to(REPO).as_posix() if (REPO / ".git").exists() else LOADER.name  # git apply from the root
+    assert (out / "tuned.diff").read_text().startswith(f"--- a/{rel}\n+++ b/{rel}\n")
+    if "gc.freeze" in doc["changed"]:
+        assert "gc.freeze()" in tuned
+    ran = subprocess.run([sys.executable, out / "loader.py", "--iters", "3"], env=ENV, capture_output=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
 
     done = [t for t in trials(out, "e2e") if t.state.name == "COMPLETE"]
     rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ") and "`" in line]
-    report_rows = [r for r in rows if r.split("|")[2].strip() in ("baseline", "perturbed", "search", "confirm")]
+    report_rows = [r for r in rows if r.split("|")[2].strip() in ("baseline", "perturbed", "search", "confirm", "duel")]
     assert len(report_rows) == len(done)
     statuses = {t.user_attrs["result"]["status"] for t in done}
     assert statuses == {"ok"}
@@ -124,7 +122,7 @@ def test_each_failure_is_typed_and_the_search_finishes(tmp_path):
     )
     out = tmp_path / "out"
     # the start (every knob on) fails; bisection blames each knob in turn, measuring each one alone on the way
-    cmd = ["search", FAILURES, "--out", out, "--space", space, "--study-name", "f", "--time-budget", "600", "--timeout", "40"]
+    cmd = ["search", FAILURES, "--out", out, "--space", space, "--study-name", "f", "--time-budget", "600", "--timeout", "20"]
     run = autotune([*cmd, *SMALL, "--", "--iters", "10"], tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
 

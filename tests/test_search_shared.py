@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "search" / "tiny.py"
 SPACE = {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]}  # 4 configurations
 START = {"fused_optimizer.impl": "foreach", "gc.freeze": True}  # what the search starts from in SPACE
-SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "1"]
+SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "5"]
 # one intra-op thread (steadier on a shared machine); heartbeats each second, so a dead worker shows in 6 s
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTUNE_HEARTBEAT_S": "1"}
 ENV.pop("AUTOTUNE_HOST", None)

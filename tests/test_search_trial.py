@@ -86,7 +86,7 @@ def test_a_search_leaves_no_process_of_its_trials_behind(tmp_path, pids):
     space = tmp_path / "space.yaml"
     space.write_text("knobs:\n  gc.freeze: [false, true]\n")
     cmd = ["search", ORPHANS, "--out", tmp_path / "out", "--space", space, "--device", "cpu", "--steps", "4",
-           "--warmup", "1", "--confirm", "1", "--", "--pids", pids]
+           "--warmup", "1", "--confirm", "5", "--", "--pids", pids]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "autotune", *map(str, cmd)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=400)

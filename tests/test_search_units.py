@@ -301,7 +301,9 @@ def _cli(argv, capsys):
         (["--steps", "1"], "--steps at least 2"),
         (["--time-budget", "-5"], "--time-budget must be a positive"),
         (["--rtol", "2"], "--rtol must be"),
-        (["--confirm", "0"], "--confirm must be at least 1"),
+        (["--confirm", "0"], "--confirm 0 can never confirm a candidate"),
+        (["--confirm", "4"], "needs at least 5 A/B pairs to say faster with p <= 0.05 (all 5 faster gives p = 0.031); "
+         "give --confirm 5 or more"),
         (["--trials", "many"], "invalid int value"),
         (["--device", "tpu"], "invalid choice"),
         (["--batch-size", "4"], "arguments for the script go after --"),

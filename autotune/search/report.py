@@ -174,6 +174,11 @@ def _baseline_reason(o: SearchOutcome) -> str:
     ok = [r for r in tried if r.status is Outcome.OK]
     if not ok:
         return f"the baseline wins: none of the {len(tried)} configurations tried finished and passed the loss gate"
+    if o.plan is not None and o.plan.done and changed_text(o.plan.incumbent, o.space.baseline()) == "baseline":
+        return (
+            "the baseline wins: the descent found no knob change faster than the noise (ties re-measured in A/B "
+            "pairs), so no candidate was confirmed"
+        )
     faster = [r for r in ok if r.role == ROLE_SEARCH and o.speedups.get(r.number, 0.0) > 1.0]
     if faster:  # a study reported before any worker got to its confirmation
         best = max(faster, key=lambda r: o.speedups[r.number])

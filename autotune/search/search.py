@@ -21,6 +21,18 @@ from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.bake import bake, check_out_dir
 from autotune.files import claim_out_dir
 from autotune.patch import PatchResult, run, select
+from autotune.search.budget import (
+    ALPHA,
+    MIN_PAIRS,
+    OUTPUT_S,
+    SLACK,
+    BudgetTooSmall,
+    Least,
+    check_pairs,
+    first_run_too_long,
+    fit,
+    run_cost,
+)
 from autotune.search.gate import Noise, judge, measure_noise
 from autotune.search.live import QuietDisplay
 from autotune.search.machine import Machine, cpu_has_bf16, this_machine
@@ -29,6 +41,7 @@ from autotune.search.strategy import Observation, Plan, StrongStart, label, medi
 from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CONFIRM,
+    ROLE_DUEL,
     ROLE_PERTURBED,
     ROLE_SEARCH,
     StudyStore,
@@ -44,19 +57,21 @@ MIN_TIMEOUT_S = 120.0  # later trials: at least this, and at least TIMEOUT_FACTO
 TIMEOUT_FACTOR = 5.0
 # a configuration that compiles: inductor's autotuning (max-autotune) ran past 120 s on a small GPT on an H100
 COMPILE_MIN_TIMEOUT_S = 900.0
+MAX_HOPEFUL = 50  # hopeful configurations looked at (baked) for one not measured yet
 MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row before enumerating instead
 MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
-ALPHA = 0.05  # a candidate is accepted when the sign test of its A/B pairs says faster with p <= this
 MIN_GAIN = 0.01  # and its median speedup is above 1 + this
 MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
 NOISY = 0.25  # baseline runs whose step times differ by more than this (relative) make a verdict unreliable
+RUN_MARGIN = 1.25  # a run is started only where the time left covers this many times its expected time
 MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
 MAX_MARGIN = 0.5
 DEFAULT_BUDGET_S = 900.0  # when neither --trials nor --time-budget is given
-OVERRUN = 0.1  # --time-budget is kept within this share
 COMPILE_GUESS_S = 60.0  # the compile time expected of a first compiling trial, before any was measured
 EXPENSIVE_FACTOR = 10.0  # an expensive choice (max-autotune) is expected to compile this many times longer
 EXPENSIVE_MIN_S = 300.0
+# runs that measured nothing through no fault of the configuration: no evidence either way
+UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)
 WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
 
 
@@ -116,6 +131,7 @@ class Confirmation:
     candidate: tuple[TrialResult, ...] = ()
     search_speedup: float | None = None
     machine: str = ""  # every pair ran on this machine
+    evidence: bool = False  # a candidate run failed (not a timeout): the candidate does not reproduce
 
     @property
     def speedup(self) -> float | None:
@@ -276,8 +292,7 @@ class Search:
             raise UsageError("--trials must be at least 1")
         if options.train_steps is not None and options.train_steps < 1:
             raise UsageError("--train-steps must be at least 1")
-        if options.confirm < 1:
-            raise UsageError("--confirm must be at least 1 (pairs of runs that check the winner)")
+        check_pairs(options.confirm)
         if options.time_budget is not None and not (0 < options.time_budget < math.inf):  # nan fails too
             raise UsageError("--time-budget must be a positive number of seconds")
         if options.timeout is not None and not (0 < options.timeout < math.inf):
@@ -323,6 +338,9 @@ class Search:
         self.runner_factory = Runner
         self.started = self.clock()
         self.deadline = math.inf  # set when the search runs
+        self.hard_end = math.inf  # no run goes past this: the deadline and SLACK of the budget, less the outputs' time
+        self.lengths = (options.warmup, options.steps)  # of the runs after the first baseline (fitted to the budget)
+        self.fit_note: str | None = None  # what fitting the budget gave up
         self.reserved_s: float | None = None
         self.plan: Plan | None = None
 
@@ -358,6 +376,7 @@ class Search:
             )
         self.started = self.clock()
         self.deadline = self.started + self.o.budget if self.o.budget else math.inf
+        self.hard_end = self.deadline + SLACK * self.o.budget - OUTPUT_S if self.o.budget else math.inf
         # a storage of the user's is opened first: one it refuses leaves nothing behind, not even the output folder
         storage = open_storage(self.o.storage) if self.o.storage is not None else None
         claim_out_dir(self.out)
@@ -381,6 +400,7 @@ class Search:
             self.machine = this_machine(self.device, env)
             self.store = StudyStore(storage, self.study_name, seed=self.o.seed, machine=self.machine.key)
             self.store.adopt(self.fingerprint, self.space, self.about())
+            self.lengths = self.store.lengths() or self.lengths
             self.runner = self.runner_factory(
                 self.patch,
                 self.out / WORK_NAME,
@@ -388,6 +408,7 @@ class Search:
                     tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, env, self.launcher
                 ),
             )
+            self.runner.resize(*self.lengths)
             self._refresh()
             self.display.begin(self)
             try:
@@ -543,8 +564,17 @@ class Search:
             if odd:
                 self.foreign[r.number] = odd
             else:
-                kept.append(r)
+                kept.append(self._trim(r))
         return kept
+
+    def _trim(self, r: TrialResult) -> TrialResult:
+        """A run longer than the current run lengths (a first baseline, before they were fitted to the budget)
+        compared on the steps every run has: its losses cut to that many. Step i is the same training step in every
+        run, so the gate compares like with like."""
+        total = sum(self.lengths)
+        if r.steps_done > total and len(r.losses) == r.steps_done:
+            return r.with_(losses=r.losses[:total])
+        return r
 
     # timing and budgets
 
@@ -552,9 +582,15 @@ class Search:
         return machine if machine is not None else (self.machine.key if self.machine else "")
 
     def _estimate(self) -> float:
-        """Seconds one run of the baseline takes on this machine (0 before any ran)."""
-        walls = [r.wall_s for r in self._baselines()] or [r.wall_s for r in self.results if r.measured]
+        """Seconds one run of the baseline takes on this machine at the current run lengths (0 before any ran)."""
+        walls = [self._scaled(r) for r in self._baselines()] or [self._scaled(r) for r in self.results if r.measured]
         return statistics.median(walls) if walls else 0.0
+
+    def _scaled(self, r: TrialResult) -> float:
+        """Seconds ``r``'s run would take at the current run lengths (it may have run before they were fitted)."""
+        if not r.measured or not r.step_time or not r.steps_done:
+            return r.wall_s
+        return run_cost(r.wall_s, r.step_time, r.steps_done).of(*self.lengths)
 
     def _compiles(self, config: Mapping[str, Any]) -> bool:
         return any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs)
@@ -564,10 +600,10 @@ class Search:
         base = self._estimate()
         measured = self.measured().get(self.program(config))
         if measured is not None and measured.wall_s:
-            return measured.wall_s
+            return self._scaled(measured)
         if not self._compiles(config):
             return base
-        extra = [r.wall_s - base for r in self.results if r.measured and self._compiles(r.config)]
+        extra = [self._scaled(r) - base for r in self.results if r.measured and self._compiles(r.config)]
         compile_s = max(max(extra, default=COMPILE_GUESS_S), 0.0)
         if any(self.strategy.is_expensive(n, v) for n, v in config.items()):
             compile_s = max(EXPENSIVE_FACTOR * compile_s, EXPENSIVE_MIN_S)
@@ -584,7 +620,9 @@ class Search:
     def _time_left(self) -> float:
         return self.deadline - self.clock()
 
-    def _timeout(self, config: Mapping[str, Any], reserve: float = 0.0) -> float:
+    def _timeout(self, config: Mapping[str, Any], reserve: float = 0.0) -> tuple[float, bool]:
+        """A run's timeout, and whether the budget set it (shorter than the run's own: --timeout, else 5 times the
+        slowest baseline run, at least 120 s, 900 s where it compiles, 600 s for the first run)."""
         if self.o.timeout is not None:
             timeout = self.o.timeout
         else:
@@ -592,10 +630,15 @@ class Search:
             timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
             if self._compiles(config):
                 timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
-        if math.isfinite(self.deadline):  # a run never eats the time set aside for what comes after it
-            budget = self.o.budget or 0.0
-            timeout = min(timeout, max(self._time_left() - reserve + OVERRUN * budget / 2, 1.0))
-        return timeout
+        if math.isfinite(self.hard_end):  # a run never eats the time set aside for what comes after it
+            left = max(self.hard_end - self.clock() - reserve, 1.0)
+            if left < timeout:
+                return left, True
+        return timeout, False
+
+    def affordable(self, config: Mapping[str, Any]) -> bool:
+        """Whether the time left covers a run of ``config`` (with a margin: runs vary) and the confirmation."""
+        return self._time_left() >= RUN_MARGIN * self._cost(config) + self._reserve()
 
     def target(self) -> int | None:
         """How many distinct configurations (the baseline included) the study measures at most, by all its workers."""
@@ -630,7 +673,7 @@ class Search:
         """The programs already measured on any machine (baseline and search trials): program -> first result."""
         out: dict[str, TrialResult] = {}
         for r in self.results:
-            if r.role in (ROLE_BASELINE, ROLE_SEARCH):
+            if r.role in (ROLE_BASELINE, ROLE_SEARCH) and r.status is not Outcome.INTERRUPTED:
                 out.setdefault(self.program(r.config), r)
         return out
 
@@ -741,7 +784,7 @@ class Search:
             return None
         first = self._reference() is None and role == ROLE_BASELINE
         self.display.trial_started(config, role)
-        timeout = self._timeout(config, self._reserve_now)
+        timeout, cut = self._timeout(config, self._reserve_now)
         if code is None:
             error = f"autotune cannot write this configuration as code: {self._bake_errors[config_key(config)]}"
             result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
@@ -749,7 +792,12 @@ class Search:
             result = self.runner.run(
                 config, role, timeout, on_start=lambda pid: self.store.started(trial, pid, timeout), attrs=attrs
             )
-        result = result.with_(number=trial.number, host=self.machine.host, device_name=self.machine.device)
+        result = self._trim(result.with_(number=trial.number, host=self.machine.host, device_name=self.machine.device))
+        if cut and result.status is Outcome.TIMEOUT:  # the budget ran out, not the run's own time: no measurement
+            result = result.with_(
+                status=Outcome.INTERRUPTED,
+                error=f"stopped after {timeout:.0f}s, where the time budget ends: it measured nothing",
+            )
         missed = unreached(result, self.space.changed(result.config)) if role == ROLE_SEARCH else []
         if missed:  # it timed a program without these knobs: reported, never ranked
             result = result.with_(
@@ -772,6 +820,8 @@ class Search:
     def _baseline_failed(self, result: TrialResult) -> None:
         if result.status is Outcome.SHORT:
             raise UsageError(f"{self.o.script}: {result.error}")
+        if result.status is Outcome.INTERRUPTED:  # the budget stopped it
+            raise first_run_too_long(self.o.budget or 0.0, result.wall_s, self._least())
         tail = "\n".join(result.stderr_tail.strip().splitlines()[-15:])
         self.display.note(f"the unmodified script fails as a trial ({result.status}): {result.error}\n{tail}")
         raise SearchFailed(
@@ -815,7 +865,7 @@ class Search:
         # one when resuming, as the machine may have changed since
         for _ in range(max(1, 2 - len(self._baselines()))):
             self._trial(self.space.baseline(), ROLE_BASELINE)
-            self._check_budget()
+            self._fit_budget()
         # on a GPU, runs that agree bit for bit at first drift apart from a step that varies run to run (atomics): where
         # the first two differ, a third back to back, so that the noise floor is not one sample's chance
         if self.device == "cuda" and len(self._baselines()) == 2 and not self._noise().deterministic:
@@ -837,25 +887,31 @@ class Search:
                 return f"trial budget reached ({target} configurations)"
             self.plan = self.strategy.plan(self.view())
             ready = [p for p in (self.plan.ready if self.plan else ()) if self.program(p.config) not in self._taken]
+            attrs = {"phase": ready[0].phase, "why": ready[0].why} if ready else {"phase": "sample"}
+            config = ready[0].config if ready else None
             if self.plan.done and not ready:
                 if self._taken:  # the strategy's last steps are other workers' trials: their results decide
                     self._wait("configuration(s) other workers are measuring", self._taken)
                     continue
-                if self.o.trials is None:
-                    return "the descent converged: no knob change is faster beyond the noise"
-                self.mode = "descent, then sampled"  # --trials asks for more configurations: the sampler picks
+                if self.o.trials is None:  # the time left goes to untried configurations that could still win
+                    hope = self._hopeful()
+                    if hope is None:
+                        return self._converged()
+                    config, attrs = hope
+                    self.mode = "descent, then the untried configurations that could still win"
+                else:
+                    self.mode = "descent, then sampled"  # --trials asks for more configurations: the sampler picks
             if not ready and not self.plan.done:
                 self._wait("configuration(s) other workers are measuring", self._taken)
                 continue
-            config = ready[0].config if ready else None
             if config is None and (self._duplicates >= MAX_DUPLICATES or self.space.size <= (self.o.trials or 0)):
                 config = self._unmeasured()
                 if config is None:
                     return f"all {self.space.size} configurations measured ({len(self.measured())} distinct programs)"
             self._reserve_now = self._reserve()
             cost = self._cost(config) if config is not None else self._estimate()
-            if self._time_left() < cost + self._reserve_now:
-                return "time budget reached (the rest is set aside for confirmation)"
+            if self._time_left() < RUN_MARGIN * cost + self._reserve_now:
+                return self._out_of_time()
             since = 0
             for r in reversed(self.results):  # this machine's search trials since its last baseline run
                 if r.machine != self.machine.key:
@@ -866,28 +922,62 @@ class Search:
             if since >= self.o.baseline_every:
                 self._trial(self.space.baseline(), ROLE_BASELINE)
                 continue
-            attrs = {"phase": ready[0].phase, "why": ready[0].why} if ready else {"phase": "sample"}
+            if ready and ready[0].duel is not None:
+                a, b, pair, arm = ready[0].duel
+                keys = [self.program(a), self.program(b)]
+                attrs = {"duel": keys, "pair": pair, "arm": arm, "why": ready[0].why}
+                self._trial(config, ROLE_DUEL, attrs, _claim(ROLE_DUEL, self.machine.key, *keys, pair, arm))
+                continue
             got = self._trial(config, ROLE_SEARCH, attrs)
             self._duplicates = self._duplicates + 1 if got is None and config is None else 0
 
-    def _check_budget(self) -> None:
-        """After the first baseline: refuse a budget too small for two baselines, one trial and confirmation."""
+    def _hopeful(self) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """The most hopeful untried configuration the time left covers (see ``StrongStart.hopeful``), with why."""
+        measured = self.measured()
+        for config in self.strategy.hopeful(self.view(), self.plan.blamed if self.plan else ())[:MAX_HOPEFUL]:
+            key = self.program(config)
+            if key not in measured and key not in self._taken and self.affordable(config):
+                why = "after the descent: an untried configuration the measured knob changes leave hope for"
+                return config, {"phase": "hope", "why": why}
+        return None
+
+    def _converged(self) -> str:
+        left = self._time_left()
+        spare = f" ({left:.0f}s of the budget left)" if math.isfinite(left) and left > 0 else ""
+        return (
+            "the descent converged, and no untried configuration could beat the best by more than the noise: each "
+            f"combines knob changes that measured slower, or no faster, wherever they were tried{spare}"
+        )
+
+    def _out_of_time(self) -> str:
+        if self.candidates():
+            return "time budget reached (the rest is set aside for confirmation)"
+        return (
+            f"time budget reached: the last {max(self._time_left(), 0):.0f}s were kept to confirm a candidate, and "
+            "none was faster than the baseline"
+        )
+
+    def _least(self) -> Least:
+        """The least search that gives a verdict, after the first baseline: the second baseline, the perturbed one
+        on a CPU (a third baseline on a GPU whose runs differ), one candidate and the minimum confirmation."""
+        return Least(1 + (self.threads is not None or self.device == "cuda"), MIN_PAIRS)
+
+    def _fit_budget(self) -> None:
+        """After the first baseline of a new study: fit the run lengths to the time left (shorter runs where the
+        least search and a few candidates would not fit), or refuse, before any more time is spent."""
         if not math.isfinite(self.deadline) or len(self._baselines()) != 1 or len(self.results) != 1:
             return
-        run = self._estimate()
-        # 2 baselines (+ the perturbed one on a CPU, + a third where a GPU's runs differ) and 1 trial
-        fixed = 3 + (self.threads is not None or self.device == "cuda")
-        runs = fixed + 2 * self.o.confirm
-        need = run * runs
-        if self.o.budget and need > self.o.budget * (1 + OVERRUN):
-            fits = max(int((self.o.budget / run - fixed) // 2), 0)
-            raise BudgetTooSmall(
-                f"--time-budget {self.o.budget:.0f}s is too small for this script: one run takes about {run:.0f}s, "
-                f"and a search needs at least {fixed - 1} baselines, 1 trial and {self.o.confirm} A/B pairs ({runs} runs, about "
-                f"{need:.0f}s); give --time-budget {math.ceil(need * 1.5 / 60) * 60} or more"
-                + (f", or --confirm {fits}" if fits >= 1 else "")
-                + f" (the baseline run is kept in {self.storage_desc})"
-            )
+        first = self.results[0]
+        cost = run_cost(first.wall_s, first.step_time or 0.0, first.steps_done or sum(self.lengths))
+        fitted = fit(self._time_left(), self.clock() - self.started, self.o.budget, cost, *self.lengths, self._least())
+        lengths = self.store.fit_lengths(fitted.warmup, fitted.steps)
+        if lengths != self.lengths:
+            self.lengths = lengths
+            self.runner.resize(*lengths)
+            self.results = [self._trim(r) for r in self.results]
+            self.fit_note = fitted.note if lengths == (fitted.warmup, fitted.steps) else (
+                f"runs of {lengths[0]} + {lengths[1]} steps, as the study's first worker fitted them to its budget")
+            self.display.note(self.fit_note)
 
     # confirming the winner
 
@@ -930,6 +1020,9 @@ class Search:
 
     def _confirm(self) -> list[Confirmation]:
         out = []
+        plan = self.plan
+        if plan is not None and plan.done and self.program(plan.incumbent) == self.program(self.space.baseline()):
+            return out  # the descent, ties re-measured in pairs, found nothing faster: nothing to confirm
         ranked = self.candidates()[:MAX_CANDIDATES]
         for k, (config, search_speedup) in enumerate(ranked):
             if k and self._time_left() < self._reserve(config):
@@ -953,48 +1046,48 @@ class Search:
     ) -> Confirmation:
         """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine).
 
-        --confirm pairs first (time was set aside for them when ``must``); then, while the interval of the median
-        speedup straddles 1.0, more pairs, up to MORE_PAIRS times as many, as long as the time budget allows.
+        --confirm measured pairs first (time was set aside for them when ``must``); then, while the interval of the
+        median speedup straddles 1.0, more, up to MORE_PAIRS times as many. A pair starts only where it can finish
+        inside the budget; one that timed out measured nothing and is run again, as time allows.
         """
         key = config_key(config)
         baseline = self.space.baseline()
         me = self.machine.key
         stopped = None
         limit = self.o.confirm * MORE_PAIRS
-        pair_cost = self._estimate() + self._cost(config)
         self._reserve_now = 0.0
         j = 0
-        while j < limit:
-            if j >= self.o.confirm:
-                so_far = self._verdict(config, self._arms(key, me), None, search_speedup, me, pairs=j)
-                if so_far.settled or not so_far.ratios:
-                    break
-                if self._time_left() < pair_cost:
-                    stopped = f"more pairs would pass the time budget ({j} measured)"
-                    break
+        while True:
+            so_far = self._verdict(config, self._arms(key, me), None, search_speedup, me)
+            if so_far.evidence or (len(so_far.ratios) >= self.o.confirm and so_far.settled):
+                break
+            if j >= limit:
+                if len(so_far.ratios) < self.o.confirm:
+                    stopped = f"{j} pairs run, {j - len(so_far.ratios)} of them not measured"
+                break
+            pair_cost = self._estimate() + self._cost(config)
+            # the pairs set aside for may use the budget's slack; more than those, or a second candidate, only what
+            # is left of the budget itself
+            end = self.hard_end if must and len(so_far.ratios) < self.o.confirm else self.deadline
+            if self.clock() + pair_cost > end:
+                stopped = "the time budget ran out during confirmation"
+                break
             order = ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline")
             for arm in order:
                 self._refresh()
                 claim = _claim(ROLE_CONFIRM, me, key, j, arm)
                 if (j, arm) in self._arms(key, me) or claim in self._claims:
                     continue  # measured, or being measured by another worker on this machine
-                if not must and self._time_left() < self._cost(config):
-                    stopped = "the time budget ran out during confirmation"
-                    break
-                if must and self._time_left() < -OVERRUN * (self.o.budget or 0.0):
-                    stopped = "the time budget ran out during confirmation"
-                    break
                 attrs = {"candidate": key, "pair": j, "arm": arm, "of": list(which)}
-                self.display.confirming(which, j + 1, self.o.confirm if j < self.o.confirm else limit, arm)
+                shown = max(self.o.confirm, len(so_far.ratios) + 1)
+                self.display.confirming(which, min(len(so_far.ratios) + 1, shown), shown, arm)
                 self._trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs, claim)
-            if stopped:
-                break
             j += 1
         while not stopped:  # runs of this confirmation that other workers on this machine are measuring
             busy = {c for c in self._claims if json.loads(c)[:3] == [ROLE_CONFIRM, me, key]}
             if not busy:
                 break
-            if self._time_left() < 0:
+            if self.clock() > self.hard_end:
                 stopped = "the time budget ran out during confirmation"
                 break
             self._wait("confirmation run(s) of another worker on this machine", busy)
@@ -1007,52 +1100,55 @@ class Search:
         stopped: str | None,
         search_speedup: float | None,
         machine: str,
-        pairs: int | None = None,
     ) -> Confirmation:
         """Whether the A/B pairs ``got`` confirm ``config``: faster by the sign test (p <= ALPHA) and by more than
-        MIN_GAIN in the median."""
-        ratios, base_runs, cand_runs, failed = [], [], [], []
-        measured = sorted({j for j, _ in got})
-        for j in measured:
+        MIN_GAIN in the median. A pair with a run that timed out (or was interrupted) measured nothing: it counts
+        neither way. A candidate run that failed otherwise (a crash, a loss outside the gate) is evidence against."""
+        ratios, base_runs, cand_runs, evidence, lost = [], [], [], [], 0
+        for j in sorted({j for j, _ in got}):
             b, c = got.get((j, "baseline")), got.get((j, "candidate"))
             if c is not None:
                 cand_runs.append(c)
-                if c.status is not Outcome.OK:
-                    failed.append(c)
+                if c.status not in (Outcome.OK, *UNMEASURED):
+                    evidence.append(c)
             if b is not None:
                 base_runs.append(b)
-            if b is not None and c is not None and b.measured and c.status is Outcome.OK:
-                ratios.append(self._speed(c) / self._speed(b))
-        need = self.o.confirm if pairs is None else pairs
-        median_ratio = statistics.median(ratios) if ratios else None
-        if failed:
-            accepted, reason = False, f"not reproducible: a confirmation run ended {failed[0].status} ({failed[0].error})"
-        elif len(ratios) < min(need, self.o.confirm):
+            if b is not None and c is not None:
+                if b.measured and c.status is Outcome.OK:
+                    ratios.append(self._speed(c) / self._speed(b))
+                elif b.status in UNMEASURED or c.status in UNMEASURED:
+                    lost += 1
+        missing = f"; {lost} pair(s) not measured (a run timed out: no evidence either way)" if lost else ""
+        if evidence:
+            bad = evidence[0]
+            accepted, reason = False, f"not reproducible: a confirmation run ended {bad.status} ({bad.error}){missing}"
+        elif len(ratios) < self.o.confirm:
             why = stopped or "the search stopped"
-            accepted, reason = False, f"{why} ({len(ratios)} of {self.o.confirm} pairs measured)"
+            accepted, reason = False, (
+                f"not shown faster: {why} ({len(ratios)} of the {self.o.confirm} pairs needed measured{missing})")
         else:
+            median_ratio = statistics.median(ratios)
             wins = sum(r > 1.0 for r in ratios)
             p = sign_test(wins, len(ratios))
             low, high, cover = median_interval(ratios)
             accepted = p <= ALPHA and median_ratio > 1.0 + MIN_GAIN
+            if accepted:
+                word = "faster"
+            elif high < 1.0:
+                word = f"slower ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x)"
+            elif low > 1.0:
+                word = f"faster by too little to keep (a median of {median_ratio:.3f}x; it needs above {1 + MIN_GAIN:.2f}x)"
+            else:
+                word = f"not shown faster ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x holds 1.0)"
             reason = (
-                f"faster in {wins} of {len(ratios)} A/B pairs (sign test p = {p:.3f}), median speedup "
-                f"{median_ratio:.3f}x, {100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x"
+                f"{word}: faster in {wins} of {len(ratios)} A/B pairs (sign test p = {p:.3f}), median speedup "
+                f"{median_ratio:.3f}x, {100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x{missing}"
+                + (f"; {stopped}" if stopped and not accepted else "")
             )
-            if not accepted:
-                reason += (
-                    f" (needs p <= {ALPHA} and a median above {1 + MIN_GAIN:.2f}x: "
-                    + ("within the noise" if low <= 1.0 <= high else "not faster")
-                    + (f"; {stopped}" if stopped else "")
-                    + ")"
-                )
         return Confirmation(
-            config, tuple(ratios), accepted, reason, tuple(base_runs), tuple(cand_runs), search_speedup, machine
+            config, tuple(ratios), accepted, reason, tuple(base_runs), tuple(cand_runs), search_speedup, machine,
+            bool(evidence),
         )
-
-
-class BudgetTooSmall(UsageError):
-    """--time-budget cannot fit two baselines, one trial and the confirmation pairs."""
 
 
 class _View:
@@ -1065,8 +1161,8 @@ class _View:
         self._obs: dict[str, Observation] = {}
         self._configs: dict[str, dict[str, Any]] = {}
         for r in search._regate(search.results):
-            if r.role not in (ROLE_BASELINE, ROLE_SEARCH):
-                continue
+            if r.role not in (ROLE_BASELINE, ROLE_SEARCH) or r.status is Outcome.INTERRUPTED:
+                continue  # (a run the end of the budget stopped measured nothing)
             key = search.program(r.config)
             if key in self._obs:
                 continue
@@ -1091,10 +1187,23 @@ class _View:
         return self._threshold
 
     def affordable(self, config) -> bool:
-        return self.s._time_left() >= self.s._cost(config) + self.s._reserve()
+        return self.s.affordable(config)
+
+    def costly(self, config) -> bool:
+        return self.s._compiles(config)
 
     def measured(self):
         return [(self._configs[k], o) for k, o in self._obs.items()]
+
+    def duel(self, a, b):
+        keys = [self.s.program(a), self.s.program(b)]
+        me = self.s._mine()
+        out: dict[tuple[int, str], float | None] = {}
+        for r in self.s.results:
+            if r.role == ROLE_DUEL and r.machine == me and r.attrs.get("duel") == keys:
+                ok = r.status is Outcome.OK and r.measured
+                out[(int(r.attrs.get("pair", 0)), str(r.attrs.get("arm")))] = self.s._speed(r) if ok else None
+        return out
 
 
 def _margin(baselines: list[TrialResult]) -> float:

@@ -8,16 +8,26 @@ the plan says which configuration to measure next (``None``: the strategy is don
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from autotune.search.space import SearchSpace, has, same_value
+from autotune.search.space import SearchSpace, config_key, has, same_value
 
 Config = Mapping[str, Any]
 MAX_PASSES = 4  # coordinate-descent passes over the knobs; each pass that changes nothing ends the descent
 MAX_RESTARTS = 2  # descents started again from a configuration measured faster than where the last one ended
+MAX_ENUMERATED = 20_000  # configurations weighed after the descent, in the space's order
+MAX_BASES = 5  # the fastest measured configurations an untried one is estimated from
+# Two configurations whose single runs differ by less than the noise are a tie: the more complex one (more knobs
+# changed) must show it is faster in this many A/B pairs, every one, by more than DUEL_GAIN in the median, or the
+# simpler one is kept. Noise then costs these runs, not the win (on a GPT with 29% noise, compile on top of bf16
+# measured 2.53x against 2.10x and was dropped as "as fast within the noise").
+DUEL_PAIRS = 3
+DUEL_GAIN = 0.02
+TIE_FLOOR = 0.01  # a more complex configuration measured less than this much faster is no tie: the simpler one wins
 
 
 @dataclass(frozen=True)
@@ -35,15 +45,17 @@ class Proposal:
     """A configuration to measure next, and why."""
 
     config: dict[str, Any]
-    phase: str  # start | blame | descent | expensive
+    phase: str  # start | blame | descent | duel | hope | expensive
     why: str
+    # a duel's run: the two configurations (more complex first), the pair and the arm ("a" the first, "b" the other)
+    duel: tuple[dict[str, Any], dict[str, Any], int, str] | None = None
 
 
 @dataclass(frozen=True)
 class Step:
     """One step of the path, for the report: what was measured or decided, and the speedup it showed."""
 
-    phase: str  # start | blame | accept | expensive | skip
+    phase: str  # start | blame | accept | hold (a duel kept the incumbent) | expensive | skip
     text: str
     config: Mapping[str, Any] = field(default_factory=dict)
     speedup: float | None = None
@@ -93,6 +105,13 @@ class View(Protocol):
 
     def affordable(self, config: Config) -> bool:
         """Whether the time left covers measuring ``config`` (its compile time included)."""
+
+    def costly(self, config: Config) -> bool:
+        """Whether a run of ``config`` costs much more than the baseline's (it compiles)."""
+
+    def duel(self, a: Config, b: Config) -> Mapping[tuple[int, str], float | None]:
+        """The runs of the duel of two programs so far on this machine: (pair, arm "a" or "b") -> its speed (None:
+        it measured nothing)."""
 
     def measured(self) -> Sequence[tuple[dict[str, Any], Observation]]:
         """Every distinct program measured so far (the baseline included): a configuration of it, and how it did."""
@@ -145,8 +164,15 @@ class StrongStart:
             ready = tuple([p, *more]) if p is not None else ()
             return Plan(ready, tuple(path), tuple(blamed), dict(incumbent), p is None)
 
-        # 1. the start configuration
+        # 1. the start configuration; where the time left does not cover it, without the knobs whose runs cost much
+        # more than the baseline's (compilation), which the descent tries later if the time allows
         current = view.canonical(self.start)
+        if view.observed(current) is None and not view.affordable(current):
+            costly = [n for n in self.start_order if view.costly(view.canonical(self._with([n])))]
+            if costly:
+                current = view.canonical(self._with([n for n in self.start_order if n not in costly]))
+                left = ", ".join(f"{n}={_text(self.start[n])}" for n in costly)
+                path.append(Step("skip", f"{left} left out of the start: the time left does not cover it"))
         if not view.same(current, base):
             got = view.observed(current)
             if got is None:
@@ -188,6 +214,8 @@ class StrongStart:
             path.append(Step("accept", f"descent starts from: {label(incumbent, self.space)}", incumbent,
                              _speed(view.observed(incumbent))))
         blamed_values = {(b.knob, _text(b.value)) for b in blamed}
+        unaffordable: set[str] = set()  # descent steps the time left did not cover (said once each in the path)
+        said: set[str] = set()  # ties a duel decided for the incumbent (said once each)
 
         # 3. coordinate descent from the incumbent; where it ends slower than a configuration measured on the way
         # (a strong start that only loses on this machine, one noisy run that kept a knob), it starts again from
@@ -199,25 +227,40 @@ class StrongStart:
                 moved = False
                 for pos, name in enumerate(self.order):
                     alternatives = self._alternatives(view, incumbent, name, blamed_values)
+                    for a in alternatives:
+                        if view.observed(a) is None and not view.affordable(a):
+                            text = f"{name}={_text(a[name])} on {label(incumbent, self.space)}"
+                            if text not in unaffordable:
+                                unaffordable.add(text)
+                                path.append(Step("skip", f"{text} not tried: the time left does not cover it"))
+                    alternatives = [a for a in alternatives if view.observed(a) is not None or view.affordable(a)]
                     waiting = [a for a in alternatives if view.observed(a) is None]
                     if waiting:
                         more = [
                             Proposal(a, "descent", f"descent: {later}={_text(a[later])} on the incumbent")
                             for later in self.order[pos + 1:]
                             for a in self._alternatives(view, incumbent, later, blamed_values)
-                            if view.observed(a) is None
+                            if view.observed(a) is None and view.affordable(a)
                         ]
                         first = Proposal(waiting[0], "descent", f"descent: {name}={_text(waiting[0][name])} on the incumbent")
                         rest = [Proposal(a, "descent", f"descent: {name}={_text(a[name])} on the incumbent") for a in waiting[1:]]
                         return stop(first, incumbent, rest + more)
-                    best = self._best(view, incumbent, alternatives)
+                    decided = self._best(view, incumbent, alternatives)
+                    if isinstance(decided, Proposal):
+                        return stop(decided, incumbent)
+                    best, note = decided
+                    if best is incumbent and note and note not in said:
+                        said.add(note)
+                        path.append(Step("hold", note))
                     if best is not incumbent and not any(view.same(best, v) for v in visited):
                         before = _speed(view.observed(incumbent))
                         after = _speed(view.observed(best))
+                        simpler = len(self.space.changed(best)) < len(self.space.changed(incumbent))
                         path.append(Step(
                             "accept",
                             f"{name}={_text(best[name])}: {_ratio(after, before)} the incumbent"
-                            + ("" if (after or 0) > (before or 0) else " (as fast within the noise, and simpler)"),
+                            + (" (as fast within the noise, and simpler)" if simpler and (after or 0) <= (before or 0) * (1 + view.threshold()) else "")
+                            + (f"; {note}" if note else ""),
                             best, after,
                         ))
                         incumbent = best
@@ -262,6 +305,55 @@ class StrongStart:
                 path.append(Step("expensive", f"{name}={_text(value)}: not faster ({_failure_text(seen) if not seen.ok else _ratio(_speed(seen), _speed(view.observed(incumbent))) + ' the incumbent'})", trial, _speed(seen)))
         return stop(None, incumbent)
 
+    def hopeful(self, view: View, blamed: Sequence[Blame] = (), limit: int = MAX_ENUMERATED) -> list[dict[str, Any]]:
+        """Untried configurations that could still beat the best measured one by more than the noise, most hopeful
+        first (after the descent, while time is left).
+
+        The estimate is optimistic: from each of the fastest measured configurations, each knob changed on the way
+        to the untried one counts with the largest speedup that setting it to that value showed in any measured
+        pair of configurations differing in that knob alone (a change never measured so counts as no change: it
+        may be one that changes nothing, such as a compile scope without compilation). A blamed or expensive value
+        counts as no hope (the descent and its last phase weigh those).
+        """
+        seen = [(dict(c), o.speedup) for c, o in view.measured() if o.ok and o.speedup]
+        if not seen:
+            return []
+        best = max(speed for _, speed in seen)
+        gains: dict[tuple[str, str], float] = {}
+        for i, (a, sa) in enumerate(seen):
+            for b, sb in seen[i + 1:]:
+                diff = [n for n in a if not same_value(a.get(n), b.get(n))]
+                if len(diff) == 1:
+                    for (x, sx), (y, sy) in (((a, sa), (b, sb)), ((b, sb), (a, sa))):
+                        key = (diff[0], _text(x[diff[0]]))
+                        gains[key] = max(gains.get(key, 0.0), sx / sy)
+        failed = {(b.knob, _text(b.value)) for b in blamed}
+        failed |= {(n, _text(v)) for n, v in self.expensive}
+        bar = best * (1.0 + view.threshold())
+        names = [k.name for k in self.space.knobs]
+        measured = {config_key(c) for c, _ in view.measured()}
+        bases = sorted(seen, key=lambda cs: -cs[1])[:MAX_BASES]
+        scored = []
+        for n_seen, values in enumerate(itertools.product(*(self.space.choices[n] for n in names))):
+            if n_seen >= limit:
+                break
+            config = dict(zip(names, values))
+            if any((n, _text(config[n])) in failed for n in names):
+                continue
+            estimate = 0.0
+            for base, speed in bases:
+                factor = speed
+                for n in names:
+                    if not same_value(config[n], base.get(n)):
+                        factor *= gains.get((n, _text(config[n])), 1.0)
+                        if factor == 0.0:
+                            break
+                estimate = max(estimate, factor)
+            if estimate > bar and config_key(config) not in measured:
+                scored.append((estimate, config))
+        scored.sort(key=lambda item: -item[0])
+        return [config for _, config in scored]
+
     def _with(self, names: Sequence[str]) -> dict[str, Any]:
         """The baseline with the start's values of ``names``."""
         return {**self.space.baseline(), **{n: self.start[n] for n in names}}
@@ -280,20 +372,76 @@ class StrongStart:
             out.append(trial)
         return out
 
-    def _best(self, view: View, incumbent: Config, alternatives: Sequence[Config]) -> Config:
+    def _best(
+        self, view: View, incumbent: Config, alternatives: Sequence[Config]
+    ) -> tuple[Config, str | None] | Proposal:
         """The fastest alternative that is faster than ``incumbent`` beyond the noise; else the fastest that is as
-        fast within the noise and simpler; else ``incumbent``."""
-        faster, simpler = [], []
+        fast within the noise and simpler; else ``incumbent``; with what decided it. A tie (one of the two measured
+        faster, within the noise) is decided by a duel of A/B pairs; while one is missing, the Proposal of its next
+        run (where the time left covers the duel; else the single runs decide, simpler first)."""
         base = view.observed(incumbent)
+        if base is None or not base.ok or not base.speedup:
+            ok = [a for a in alternatives if _ok(view, a)]
+            return (max(ok, key=lambda a: view.observed(a).speedup), None) if ok else (incumbent, None)
+        margin = view.threshold()
+        faster: list[tuple[Config, str | None]] = []
+        simpler: list[tuple[Config, str | None]] = []
+        held: list[str] = []
         for a in alternatives:
-            if self._better(view, a, incumbent):
-                got = view.observed(a)
-                beyond = base is None or not base.ok or not base.speedup or got.speedup > base.speedup * (1 + view.threshold())
-                (faster if beyond else simpler).append(a)
+            got = view.observed(a)
+            if got is None or not got.ok or not got.speedup:
+                continue
+            ratio = got.speedup / base.speedup
+            fewer = len(self.space.changed(a)) < len(self.space.changed(incumbent))
+            if ratio > 1.0 + margin:
+                faster.append((a, None))
+                continue
+            if fewer and ratio >= 1.0 - TIE_FLOOR:
+                simpler.append((a, None))
+                continue
+            if (fewer and ratio < 1.0 - margin) or (not fewer and ratio <= 1.0 + TIE_FLOOR):
+                continue
+            complex_, simple = (incumbent, a) if fewer else (a, incumbent)
+            decided = self._duel(view, complex_, simple)
+            if isinstance(decided, Proposal):
+                return decided
+            won, note = decided
+            if fewer and not won:
+                simpler.append((a, note))
+            elif not fewer and won:
+                faster.append((a, note))
+            elif note:  # the duel kept the incumbent: said in the path
+                held.append(f"{label(a, self.space)} not taken ({_ratio(got.speedup, base.speedup)} the incumbent, "
+                            f"within the noise): {note}")
         for group in (faster, simpler):
             if group:
-                return max(group, key=lambda a: view.observed(a).speedup)
-        return incumbent
+                return max(group, key=lambda an: view.observed(an[0]).speedup)
+        return incumbent, "; ".join(held) or None
+
+    def _duel(self, view: View, complex_: Config, simple: Config) -> tuple[bool, str | None] | Proposal:
+        """Whether ``complex_`` is faster than ``simple`` in DUEL_PAIRS A/B pairs, and how it did; or the duel's next
+        run. Where the time left does not cover the duel, the simpler one wins, as the single runs cannot tell."""
+        runs = view.duel(complex_, simple)
+        ratios = [a / b for j in sorted({j for j, _ in runs})
+                  if (a := runs.get((j, "a"))) and (b := runs.get((j, "b")))]
+        pairs = sorted({j for j, _ in runs})
+        if len(ratios) < DUEL_PAIRS:
+            if len(pairs) >= 2 * DUEL_PAIRS:
+                return False, f"the pairs that should re-measure it failed ({len(ratios)} of {len(pairs)} measured)"
+            current = pairs[-1] if pairs and any((pairs[-1], arm) not in runs for arm in "ab") else len(pairs)
+            order = ("b", "a") if current % 2 == 0 else ("a", "b")  # each pair in the other order than the last
+            arm = next(arm for arm in order if (current, arm) not in runs)
+            if not (view.affordable(complex_) and view.affordable(simple)):
+                return False, "not re-measured in pairs: the time left does not cover it"
+            why = (f"duel: {label(complex_, self.space)} against {label(simple, self.space)}, pair {current + 1} of "
+                   f"{DUEL_PAIRS}: their runs differ by less than the noise")
+            config = complex_ if arm == "a" else simple
+            return Proposal(dict(config), "duel", why, (dict(complex_), dict(simple), current, arm))
+        median = sorted(ratios)[len(ratios) // 2]
+        won = all(r > 1.0 for r in ratios) and median > 1.0 + DUEL_GAIN
+        shown = ", ".join(f"{r:.2f}x" for r in ratios)
+        return won, (f"re-measured in {len(ratios)} A/B pairs, {label(complex_, self.space)} against "
+                     f"{label(simple, self.space)}: {shown}")
 
     def _faster(self, view: View, a: Config, b: Config) -> bool:
         """Whether ``a`` ran faster than ``b`` beyond the noise (both passed the gate)."""

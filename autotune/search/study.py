@@ -37,6 +37,8 @@ ROLE_CONFIRM = "confirm"
 # the baseline on another number of CPU threads (only the order of floating-point sums changes): how far this
 # script's training carries a rounding difference; its losses set the gate's floor, its speed counts nowhere
 ROLE_PERTURBED = "perturbed"
+# one run of a duel: two configurations whose search runs differ by less than the noise, re-measured in A/B pairs
+ROLE_DUEL = "duel"
 ROLE_DUPLICATE = "duplicate"  # the sampler proposed a configuration already measured: its result is reused
 ROLE_YIELDED = "yielded"  # another worker claimed the same program first: ended FAIL without running
 
@@ -53,6 +55,8 @@ ATTR_NOTE = "note"
 
 STUDY_FINGERPRINT = "fingerprint"
 STUDY_ABOUT = "search"  # what the study was made from: script, arguments, device, space (autotune report reads it)
+# the run lengths [warmup, steps] the first worker fitted to its time budget: every run after the first baselines
+STUDY_LENGTHS = "lengths"
 
 HEARTBEAT_ENV = "AUTOTUNE_HEARTBEAT_S"
 HEARTBEAT_S = 10
@@ -490,6 +494,21 @@ class StudyStore:
     @property
     def fingerprint(self) -> str | None:
         return self.study.user_attrs.get(STUDY_FINGERPRINT)
+
+    @retrying
+    def lengths(self) -> tuple[int, int] | None:
+        """The run lengths (warmup, steps) the study's runs were fitted to, if a worker fitted them."""
+        got = self.study.user_attrs.get(STUDY_LENGTHS)
+        if isinstance(got, list) and len(got) == 2 and all(type(x) is int and x > 0 for x in got):
+            return got[0], got[1]
+        return None
+
+    @retrying
+    def fit_lengths(self, warmup: int, steps: int) -> tuple[int, int]:
+        """Record the run lengths fitted to the budget, unless a worker already did: the lengths in force."""
+        if self.lengths() is None:
+            self.study.set_user_attr(STUDY_LENGTHS, [warmup, steps])
+        return self.lengths() or (warmup, steps)
 
     # --- reading -----------------------------------------------------------------------------------------------
 

@@ -627,6 +627,10 @@ class Runner:
             if proc.poll() is None:
                 proc.wait()
 
+    def resize(self, warmup: int, steps: int) -> None:
+        """Run the next trials for ``warmup`` + ``steps`` steps (the lengths fitted to a time budget)."""
+        self.settings = replace(self.settings, warmup=warmup, steps=steps)
+
     def cleanup(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
         if self.subreaper and not self._was_subreaper:
