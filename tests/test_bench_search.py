@@ -1,4 +1,4 @@
-"""bench/bench_search.py keeps running: its phases end to end on the tiny fixture, its oracle and its bad input."""
+"""bench/bench_search.py keeps running: its phases end to end on the loader fixture, its oracle and its bad input."""
 
 import argparse
 import importlib.util
@@ -47,7 +47,7 @@ def _fake_search(monkeypatch, tmp_path, writes_yaml: bool):
     """A search subprocess that exits 1, after writing its autotune.yaml or not."""
 
     def fake_run(cmd, **kw):
-        out = tmp_path / "tiny"
+        out = tmp_path / "loader"
         if writes_yaml:
             out.mkdir()
             (out / "autotune.yaml").write_text("knobs: {gc.freeze: true}\nsearch: {runs: 7, wall_s: 12.0}\n")
@@ -58,7 +58,7 @@ def _fake_search(monkeypatch, tmp_path, writes_yaml: bool):
     bench = SimpleNamespace(script=REPO / "fixtures/search/tiny.py", device="cpu", script_args=(),
                             console=SimpleNamespace(print=lambda *a, **k: None))
     args = argparse.Namespace(steps=3, warmup=1, search_arg=[])
-    return bench_search.run_search(bench, tmp_path / "tiny", args)
+    return bench_search.run_search(bench, tmp_path / "loader", args)
 
 
 def test_a_search_that_fails_after_choosing_still_counts_with_its_failure_noted(monkeypatch, tmp_path):
@@ -87,18 +87,18 @@ def test_grid_is_every_combination_of_the_declared_choices():
     ids=["skip-search-without-out", "skip-grid-without-out", "no-rounds"],
 )
 def test_bad_options_are_one_line_and_exit_2(argv, says, capsys):
-    assert bench_search.main(["--scripts", "tiny", *argv]) == 2
+    assert bench_search.main(["--scripts", "loader", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
 
 
 def test_nothing_saved_to_reuse_is_refused(tmp_path, capsys):
-    assert bench_search.main(["--scripts", "tiny", "--out", str(tmp_path), "--skip-grid"]) == 2
+    assert bench_search.main(["--scripts", "loader", "--out", str(tmp_path), "--skip-grid"]) == 2
     assert "no saved grid" in capsys.readouterr().err
 
 
 def test_a_grid_saved_for_other_trials_is_not_reused(tmp_path):
-    path = tmp_path / "tiny.grid.json"
+    path = tmp_path / "loader.grid.json"
     bench_search.save_grid(path, "one", [GridPoint({"a": 1}, (1.5,), True, "ok")])
     assert bench_search.load_grid(path, "one")[0].speedup == 1.5
     with pytest.raises(bench_search.BenchError, match="measure it again"):
@@ -106,21 +106,21 @@ def test_a_grid_saved_for_other_trials_is_not_reused(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_phase_runs_on_the_tiny_fixture(tmp_path):
+def test_every_phase_runs_on_the_loader_fixture(tmp_path):
     """Grid, search (a small budget here, to stay fast) and one side-by-side round, with the Markdown table."""
     md = tmp_path / "bench.md"
     out = tmp_path / "out"
-    argv = ["--scripts", "tiny", "--rounds", "1", "--steps", "3", "--warmup", "1", "--out", str(out), "--md", str(md),
+    argv = ["--scripts", "loader", "--rounds", "1", "--steps", "3", "--warmup", "1", "--out", str(out), "--md", str(md),
             "--search-arg=--trials=2", "--search-arg=--confirm=5", "--oracle-top", "2"]
     assert bench_search.main(argv) == 0
     text = md.read_text()
-    assert "### tiny on cpu" in text and "tuned / oracle = " in text
+    assert "### loader on cpu" in text and "tuned / oracle = " in text
     for name in bench_search.ROLES:
         assert f"\n| {name} | " in text
-    grid = json.loads((out / "tiny.grid.json").read_text())["points"]
+    grid = json.loads((out / "loader.grid.json").read_text())["points"]
     assert len(grid) == 3  # the 2x2 grid less the baseline itself
     assert all(p["speedups"] for p in grid if p["status"] == "ok")
-    assert (out / "tiny" / "autotune.yaml").is_file()
+    assert (out / "loader" / "autotune.yaml").is_file()
     # the saved grid and search are reused, not measured again
     md.unlink()
     assert bench_search.main([*argv, "--skip-grid", "--skip-search"]) == 0

@@ -29,9 +29,10 @@ import yaml
 from procs import wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = REPO / "fixtures" / "search" / "tiny.py"
-SPACE = {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]}  # 4 configurations
-START = {"fused_optimizer.impl": "foreach", "gc.freeze": True}  # what the search starts from in SPACE
+# DataLoader workers win clearly on any machine, so each worker's confirmation settles in its first 5 pairs
+TINY = REPO / "fixtures" / "search" / "loader.py"
+SPACE = {"dataloader.num_workers": [0, 2], "gc.freeze": [False, True]}  # 4 configurations
+START = {"dataloader.num_workers": 2, "gc.freeze": True}  # what the search starts from in SPACE
 SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "5"]
 # one intra-op thread (steadier on a shared machine); heartbeats each second, so a dead worker shows in 6 s
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTUNE_HEARTBEAT_S": "1"}
@@ -311,7 +312,7 @@ def test_two_workers_share_one_study(tmp_path, shared):
     outs = [out for _, out, _ in workers] + [tmp_path / "report"]
     written = [*logs, *((out / name).read_text() for out in outs for name in ("autotune.yaml", "report.md"))]
     assert not [text for text in written if "hunter2" in text]
-    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|perturbed|search|confirm) \|", line)]
+    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|perturbed|search|confirm|duel) \|", line)]
     assert len(rows) == len(done)
     if hosts[0]:
         machines = next(line for line in report.splitlines() if line.startswith("- Machines: "))
@@ -329,9 +330,9 @@ def autotune_report(tmp_path: Path, storage: str, name: str) -> str:
         timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    for f in ("tiny.py", "autotune.yaml", "tuned.diff", "report.md"):
+    for f in ("loader.py", "autotune.yaml", "tuned.diff", "report.md"):
         assert (out / f).is_file(), f
-    compile((out / "tiny.py").read_text(), "tiny.py", "exec")
+    compile((out / "loader.py").read_text(), "loader.py", "exec")
     return (out / "report.md").read_text()
 
 

@@ -451,9 +451,9 @@ def test_a_configuration_that_compiles_gets_the_longer_timeout(tmp_path):
     compiling = [k for k in search.patch.knobs if k.compiles]
     assert [k.name for k in compiling] == ["compile.mode"]  # declared by the knob, not known to the search by name
     base = search.space.baseline()
-    assert search._timeout(base) == FIRST_TIMEOUT_S
-    assert search._timeout({**base, "compile.mode": "default"}) == max(FIRST_TIMEOUT_S, COMPILE_MIN_TIMEOUT_S)
-    assert search._timeout({**base, "compile.scope": "blocks"}) == FIRST_TIMEOUT_S  # no compile without a mode
+    assert search._timeout(base) == (FIRST_TIMEOUT_S, False)
+    assert search._timeout({**base, "compile.mode": "default"}) == (max(FIRST_TIMEOUT_S, COMPILE_MIN_TIMEOUT_S), False)
+    assert search._timeout({**base, "compile.scope": "blocks"}) == (FIRST_TIMEOUT_S, False)  # no compile without a mode
 
 
 # --- a database that fails for a moment ------------------------------------------------------------------------
