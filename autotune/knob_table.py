@@ -283,6 +283,15 @@ KNOBS = {knob.name: knob for knob in (
         compiles=False,
     ),
     Knob(
+        'threads.intra_op',
+        ('default', 1, 2, 4, 8, 16, 32),
+        'default',
+        Numerics.REORDER,
+        devices=frozenset({'cpu'}),
+        help="torch.set_num_threads: CPU threads per operator (default: torch's choice, OMP_NUM_THREADS or the cores); fewer can be faster on a busy or small machine; sums split over threads round differently",
+        compiles=False,
+    ),
+    Knob(
         'zero_grad.set_to_none',
         (True,),
         True,

@@ -277,6 +277,19 @@ def backend_flags(script_sets: tuple[str, ...] = ()) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+# --- threads -----------------------------------------------------------------------------------------------
+
+
+def threads() -> None:
+    """Set the CPU threads torch's operators run on, as the knob asks; touch nothing by default."""
+    n = knob("threads.intra_op", "default")
+    if n == "default":
+        return
+    import torch
+
+    torch.set_num_threads(int(n))
+
+
 # --- channels_last -----------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,13 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+WHOLE_SEARCHES = {"test_search.py", "test_search_shared.py", "test_search_launcher.py", "test_bench_search.py"}
+
+
 def pytest_collection_modifyitems(config, items):
+    # the slow tests (whole searches) first: with several workers (pytest -n), a long test that starts last keeps
+    # one worker busy while the others have nothing left to do
+    items.sort(key=lambda item: ("slow" not in item.keywords, item.path.name not in WHOLE_SEARCHES))
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

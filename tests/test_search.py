@@ -205,9 +205,9 @@ def _snapshot(out, name):
 
 
 def test_search_killed_midway_resumes_keeping_every_finished_trial(tmp_path):
-    space = write_space(tmp_path / "space.yaml", {"fused_optimizer.impl": ["default", "foreach"], "gc.freeze": [False, True]})
+    space = write_space(tmp_path / "space.yaml", {"dataloader.num_workers": [0, 2], "gc.freeze": [False, True]})
     out = tmp_path / "out"
-    cmd = ["search", TINY, "--out", out, "--space", space, "--study-name", "r", *SMALL, "--", "--iters", "12"]
+    cmd = ["search", LOADER, "--out", out, "--space", space, "--study-name", "r", *SMALL, "--", "--iters", "12"]
 
     # 1. Ctrl-C (SIGINT) during the third trial: the trial is stopped, the search says how to resume. Started with
     # SIGINT ignored (the hardest case, and what a test run in a shell's background passes on): the search
