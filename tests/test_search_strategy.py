@@ -586,3 +586,43 @@ def test_a_tie_the_time_left_cannot_re_measure_goes_to_the_simpler_configuration
     plan = drive(strategy, world)
     assert not world.duels and plan.incumbent["compile.mode"] == "none"
     assert any("not re-measured in pairs: the time left does not cover it" in s.text for s in plan.path)
+
+
+class NoisyRunner(FakeRunner):
+    """The second baseline run is 60% slower than the first, while the load average says other work ran."""
+
+    def run(self, config, role, timeout, on_start=None, attrs=None):
+        result = super().run(config, role, timeout, on_start, attrs)
+        nth = len(self.runs)
+        slow = 1.6 if nth == 2 else 1.0
+        return result.with_(step_times=tuple(t * slow for t in result.step_times), load=3.4 if nth == 2 else 1.0)
+
+
+class Notes:
+    def __init__(self):
+        self.notes, self.finished = [], 0
+
+    def begin(self, search): ...
+    def trial_started(self, config, role): ...
+    def confirming(self, which, pair, pairs, arm): ...
+    def end(self): ...
+
+    def trial_finished(self, result, speedup):
+        self.finished += 1
+
+    def note(self, text):
+        self.notes.append((self.finished, text))
+
+
+def test_noisy_baselines_are_said_at_once_with_the_load_average_and_the_likely_cause(tmp_path, monkeypatch):
+    monkeypatch.setattr("autotune.search.search.thread_counts", lambda env, launched: (2, 1))
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.runner_factory = lambda *a, **k: NoisyRunner(clock)
+    search.display = display = Notes()
+    outcome = search.run()
+    warnings = [(n, text) for n, text in display.notes if text.startswith("warning:")]
+    assert warnings and warnings[0][0] == 2  # right after the second baseline run, not at the end
+    text = warnings[0][1]
+    assert "2 runs of the baseline differ by 46% in step time" in text  # (1.6 - 1) / their median, 1.3
+    assert "load average 1.0 to 3.4 on" in text and "other processes compete for the CPU" in text
+    assert outcome.noisy and "differ by" in outcome.noisy  # and the report says it again, over every baseline run

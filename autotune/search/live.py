@@ -154,7 +154,7 @@ class SearchDisplay:
 
     def _render(self):
         table = Table(title=None, expand=False)
-        for col in ("#", "role", "configuration", "status", "steps/s", "speedup", "loss dev", "peak mem"):
+        for col in ("#", "role", "configuration", "status", "steps/s", "speedup", "loss dev", "peak mem", "load"):
             table.add_column(col, no_wrap=col != "configuration")
         for row in self.rows[-TABLE_ROWS:]:
             table.add_row(*row)
@@ -192,6 +192,7 @@ class SearchDisplay:
             speed_text(speedup) if name != "baseline" else "",
             dev_text(r),
             mib(r.peak_memory),
+            f"{r.load:.1f}" if r.load is not None else "-",
         )
         self.rows.append(row)
         self._tick(self.progress.tasks[0].description if self.progress.tasks else "")
@@ -199,9 +200,10 @@ class SearchDisplay:
             self.live.update(self._render())
         else:
             why = f"  ({r.error})" if r.error and r.status is not Outcome.OK else ""
+            load = f"  load {r.load:.1f}" if r.load is not None else ""
             self.console.print(
                 f"  #{row[0]:>3} {row[1]:<17} {row[2]:<40} {r.status!s:<13} {thr:>8} steps/s "
-                f"{row[5]:>7}  dev {row[6]:<7} {row[7]}{why}  [{self.clock_text()}]",
+                f"{row[5]:>7}  dev {row[6]:<7} {row[7]}{load}{why}  [{self.clock_text()}]",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,

@@ -327,13 +327,14 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         "live display showed the same number); the verdict above comes from the A/B pairs instead. "
         "Start-up: the run's one-time cost before it trains at its measured speed (compilation, autotuning, data "
         "set-up): its warm-up time less its warm-up steps at that speed. "
+        "Load: the machine's 1-minute load average when the run ended (the run's own threads included). "
         "Loss deviation: largest relative difference of any step's loss from the machine's first baseline run "
         f"(for knobs that lower precision, the mean over the last {100 * LOWP_WINDOW:.0f}% of the steps); a baseline "
         "run's shows its run-to-run noise (the gate allows twice that).",
         "",
-        "| # | role | configuration | status | steps/s | samples/s | speedup | start-up | loss deviation | peak memory | note |"
-        + (" machine |" if several else ""),
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|" + ("---|" if several else ""),
+        "| # | role | configuration | status | steps/s | samples/s | speedup | start-up | loss deviation | peak memory "
+        "| load | note |" + (" machine |" if several else ""),
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if several else ""),
     ]
     for r in o.results:
         note = ""
@@ -358,6 +359,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
                     f"{train_time(r, 0, o.options.warmup):.1f}s" if r.measured and r.warmup_s is not None else "-",
                     dev_text(r) + (f" (tol {r.tolerance:.1e})" if r.tolerance else ""),
                     mib(r.peak_memory),
+                    f"{r.load:.1f}" if r.load is not None else "-",
                     note,
                     *((r.machine,) if several else ()),
                 )

@@ -12,7 +12,7 @@ import signal
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,18 +191,14 @@ class SearchOutcome:
     labels: Mapping[int, str] = field(default_factory=dict)  # trial number -> the knobs that change its program
     hidden: int = 0  # sampler proposals of configurations already measured, told the earlier result, not shown
     reserved_s: float | None = None  # the time the search set aside for confirmation
+    warning: str | None = None  # the machine's timing noise makes the verdict unreliable: why, and what to do
     # runs of the study left out because a knob value stored with them is not one of its choices: trial -> values
     foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
 
     @property
     def noisy(self) -> str | None:
         """A plain warning when this machine's timing noise makes the verdict unreliable, else None."""
-        if self.noise.time is not None and self.noise.time > NOISY:
-            return (
-                f"this machine's timing is noisy: its baseline runs' step times differ by {100 * self.noise.time:.0f}%, "
-                "so speedups below that are not reliable here; run the search on a quiet machine to trust small ones"
-            )
-        return None
+        return self.warning
 
     @property
     def machines(self) -> tuple[str, ...]:
@@ -329,6 +325,8 @@ class Search:
         self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
         self.results: list[TrialResult] = []
         self.foreign: dict[int | None, list[tuple[str, Any]]] = {}  # study runs left out: trial -> odd knob values
+        self._warned = 0.0  # the baseline's time spread the last noise warning said
+        self.threads: tuple[int, int] | None = None  # CPU threads of a run and of the perturbed one (set on CPU)
         self._claims: set[str] = set()  # what other workers are measuring now
         self._taken: set[str] = set()  # of that, the programs (code keys) of search trials
         self._waiting: frozenset[str] = frozenset()
@@ -503,7 +501,14 @@ class Search:
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
             foreign=dict(self.foreign),
+            warning=self._warning(machine),
         )
+
+    def _warning(self, machine: str) -> str | None:
+        spread = self._noise(machine).time
+        if spread is None or spread <= NOISY:
+            return None
+        return noise_warning(spread, self._all_baselines(machine), self.threads)
 
     def _interactions(self, config: Mapping[str, Any]) -> tuple[str, ...]:
         """For each knob ``config`` changes: its speedup alone, and the chosen configuration's without it, where
@@ -692,7 +697,25 @@ class Search:
         return [r for r in self.results if r.role == ROLE_PERTURBED and r.measured and r.machine == machine]
 
     def _noise(self, machine: str | None = None) -> Noise:
-        return measure_noise(self._baselines(machine), self._perturbed(machine))
+        """The baseline's noise on ``machine``: in loss from its baseline runs, in time from every run of the
+        baseline there (confirmation's baseline arms too)."""
+        noise = measure_noise(self._baselines(machine), self._perturbed(machine))
+        return replace(noise, time=time_spread([r for r in self._all_baselines(machine)]))
+
+    def _all_baselines(self, machine: str | None = None) -> list[TrialResult]:
+        machine = self._mine(machine)
+        return [r for r in self.results if is_baseline_run(r) and r.measured and r.machine == machine]
+
+    def _watch_noise(self, result: TrialResult) -> None:
+        """Say at once when this machine's baseline runs disagree in time beyond NOISY, with the likely cause."""
+        if not is_baseline_run(result) or not result.measured:
+            return
+        runs = self._all_baselines()
+        spread = time_spread(runs)
+        if spread is None or spread <= NOISY or spread <= self._warned * 1.25:
+            return
+        self._warned = spread
+        self.display.note(f"warning: {noise_warning(spread, runs, self.threads)}")
 
     def _gate(self, result: TrialResult, noise: Noise | None = None) -> TrialResult:
         ref = self._reference(result.machine)
@@ -813,6 +836,7 @@ class Search:
         if number != trial.number:
             result = self.results[-1] = result.with_(number=number)
         self.display.trial_finished(result, result.speedup)
+        self._watch_noise(result)
         if first and result.status is not Outcome.OK:
             self._baseline_failed(result)
         return result
@@ -1245,6 +1269,34 @@ def _claim(*parts: Any) -> str:
 def is_baseline_run(r: TrialResult) -> bool:
     """A run of the baseline: the search's own baseline runs and the baseline arms of confirmation pairs."""
     return r.role == ROLE_BASELINE or (r.role == ROLE_CONFIRM and r.attrs.get("arm") == "baseline")
+
+
+def time_spread(runs: list[TrialResult]) -> float | None:
+    """(slowest - fastest) / median of the runs' step times; None for fewer than two."""
+    times = [r.step_time for r in runs if r.step_time]
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
+
+
+def noise_warning(spread: float, runs: list[TrialResult], threads: tuple[int, int] | None) -> str:
+    """What a noisy machine means for the verdict, with the load average the runs saw and its likely cause."""
+    loads = [r.load for r in runs if r.load is not None]
+    text = (
+        f"this machine's timing is noisy: {len(runs)} runs of the baseline differ by {100 * spread:.0f}% in step time, "
+        "so speedups below that are not reliable here"
+    )
+    if not loads:
+        return text + "; run the search on a quieter machine, or raise --confirm"
+    cores = os.cpu_count() or 1
+    own = threads[0] if threads else 1
+    low, high = min(loads), max(loads)
+    seen = f"{low:.1f}" if high - low < 0.05 else f"{low:.1f} to {high:.1f}"
+    if high > own + 0.5:
+        cause = (f"load average {seen} on {cores} cores while a run uses about {own}: other processes compete for "
+                 "the CPU; stop them, or raise --confirm")
+    else:
+        cause = (f"load average {seen} on {cores} cores: nothing much else runs, so the script's own timing varies "
+                 "(data loading, memory allocation, CPU frequency); raise --confirm, or --steps for longer runs")
+    return f"{text}; {cause}"
 
 
 def local_speedups(results) -> dict[int, float]:

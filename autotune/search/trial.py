@@ -90,6 +90,7 @@ class TrialResult:
     device_name: str = ""  # CPU model and cores, or GPU name
     # the knobs whose code ran with a non-default value (runtime.took_effect); None where the run did not say
     applied: tuple[str, ...] | None = None
+    load: float | None = None  # the machine's 1-minute load average when the run ended (this run's own work included)
 
     @property
     def machine(self) -> str:
@@ -574,6 +575,7 @@ class Runner:
             ranks=int(r.get("ranks") or 1),
             rank_losses=tuple(tuple(tuple(row) for row in rows) for rows in r.get("rank_losses") or ()),
             applied=tuple(r["applied"]) if r.get("applied") is not None else None,
+            load=load_average(),
         )
         shutil.rmtree(tdir, ignore_errors=True)
         return out
@@ -635,6 +637,14 @@ class Runner:
         shutil.rmtree(self.work, ignore_errors=True)
         if self.subreaper and not self._was_subreaper:
             _subreaper(False)
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the system does not say)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def stderr_summary(text: str, lines: int = 3) -> str:
