@@ -60,11 +60,16 @@ def check_out_dir(out: Path, project: Project, names: Iterable[str] = ()) -> Pat
 
 
 def write_baked(result: PatchResult, out_dir: Path, config: Mapping[str, Any] | None = None, header: str = "") -> list[Path]:
-    """Write every file of the baked project (same layout as the original), ``tuned.diff`` and, given, the config."""
+    """Write every file of the baked project (same layout as the original), ``tuned.diff`` where it changes anything
+    (an empty patch makes ``git apply`` fail; an older one in the folder is removed) and, given, the config."""
     files.claim_out_dir(out_dir)
     written = []
     if config is not None:
         written.append(files.write_file(out_dir / CONFIG_NAME, header + yaml.safe_dump(dict(config), sort_keys=False)))
     written.extend(write_files(result, out_dir))
-    written.append(files.write_file(out_dir / DIFF_NAME, result.diff()))
+    diff = result.diff()
+    if diff:
+        written.append(files.write_file(out_dir / DIFF_NAME, diff))
+    else:
+        (out_dir / DIFF_NAME).unlink(missing_ok=True)
     return written

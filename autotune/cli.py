@@ -189,7 +189,8 @@ def cmd_bake(args: argparse.Namespace, console: Console) -> int:
     if unused:
         console.print(f"not used by this script (no site for them): {', '.join(unused)}", markup=False)
     what = ", ".join(f"{k}={v}" for k, v in changed.items() if k not in unused) or "every knob at its default: no change"
-    console.print(f"baked {what}; wrote {len(written)} files to {out}/ (diff in tuned.diff)", markup=False)
+    where = "diff in tuned.diff" if result.diff() else "no tuned.diff: nothing changed"
+    console.print(f"baked {what}; wrote {len(written)} files to {out}/ ({where})", markup=False)
     return 0
 
 
@@ -233,8 +234,14 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
 
     script = Path(args.script) if args.script else None
     storage = storage_url(args.storage)
+    own = Path(args.out) / "study.db"  # where a search with the same --out keeps its study
+    if storage is None and own.is_file():
+        storage = str(own)
     if storage is None:
-        raise UsageError(f"report needs the study's storage: --storage URL, or the environment variable {STORAGE_ENV}")
+        raise UsageError(
+            f"report needs the study's storage: --storage URL, the environment variable {STORAGE_ENV}, or a "
+            f"search's output folder (--out; {own} does not exist)"
+        )
     outcome = report_from_study(storage, args.study_name, Path(args.out), script)
     print_summary(outcome, write_outputs(outcome), console)
     return 0
@@ -316,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument("--steps", type=int, default=20, help="measured training steps per trial (default 20)")
     search.add_argument("--warmup", type=int, default=5, help="warm-up steps before the measured ones (default 5)")
-    search.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to tune for")
+    search.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"),
+        help="device to tune for (default: auto, CUDA where torch sees a GPU, else the CPU)",
+    )
     search.add_argument(
         "--storage",
         metavar="URL",
@@ -336,11 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = _sub(
         sub, "report", "write a study's outputs (tuned script, autotune.yaml, report) without running trials",
+        "  autotune report                            # the study of the search whose --out was autotune-out/\n"
         "  autotune report --storage autotune-out/study.db --out report/\n"
         "  autotune report --storage postgresql://user@db-host/autotune --study-name cnn-bs64\n",
     )
     report.add_argument(
-        "--storage", metavar="URL", help="the study's storage: database URL or file (default: $AUTOTUNE_STORAGE)"
+        "--storage", metavar="URL",
+        help="the study's storage: database URL or file (default: $AUTOTUNE_STORAGE, else OUT/study.db)",
     )
     report.add_argument("--study-name", metavar="NAME", help="the study (default: the storage's only study)")
     report.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")

@@ -152,7 +152,7 @@ def test_each_failure_is_typed_and_the_search_finishes(tmp_path):
     report = (out / "report.md").read_text()
     for status in ("crash", "nan", "oom", "timeout"):
         assert f"| {status} |" in report
-    assert (out / "failures.py").read_text() == FAILURES.read_text()
+    assert (out / "failures.py").read_text() == FAILURES.read_text() and not (out / "tuned.diff").exists()
     assert wait_gone(trial_pids(out, "f"), 5) == []  # the hung trial was killed with its whole process group
 
 

@@ -330,8 +330,10 @@ def autotune_report(tmp_path: Path, storage: str, name: str) -> str:
         timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    for f in ("loader.py", "autotune.yaml", "tuned.diff", "report.md"):
+    for f in ("loader.py", "autotune.yaml", "report.md"):
         assert (out / f).is_file(), f
+    tuned = yaml.safe_load((out / "autotune.yaml").read_text())["winner"] == "tuned"
+    assert (out / "tuned.diff").is_file() == tuned  # no empty diff when the baseline wins
     compile((out / "loader.py").read_text(), "loader.py", "exec")
     return (out / "report.md").read_text()
 

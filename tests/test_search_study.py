@@ -399,6 +399,32 @@ def test_a_machine_is_named_by_its_host_and_device(monkeypatch):
     assert this_machine("cpu").host == os.uname().nodename
 
 
+def test_report_without_storage_reads_the_study_of_its_output_folder(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text())
+    search = _search(tmp_path, script=script, args=("--iters", "12"))
+    monkeypatch.delenv("AUTOTUNE_STORAGE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["report"]) == 2  # no study anywhere: one line that says where it looked
+    assert "autotune-out/study.db does not exist" in capsys.readouterr().err
+    out = tmp_path / "autotune-out"
+    out.mkdir()
+    (out / ".autotune-out").write_text("")
+    store = _store(search, open_storage(f"sqlite:///{out / 'study.db'}"), "a:1", "a (cpu)")
+    for config, role in [(search.space.baseline(), "baseline")] * 2:
+        trial = store.ask(config)
+        store.label(trial, role)
+        store.record(trial, _result(config, role=role, number=trial.number), 1.0)
+    assert main(["report"]) == 0, capsys.readouterr().err
+    assert yaml.safe_load((out / "autotune.yaml").read_text())["search"]["runs"] == 2
+
+
+def test_search_help_names_the_device_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["search", "--help"])
+    assert "(default: auto, CUDA where torch sees a GPU, else the CPU)" in " ".join(capsys.readouterr().out.split())
+
+
 def test_report_writes_a_studys_outputs_and_says_when_nothing_was_confirmed(tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text(TINY.read_text())
@@ -418,10 +444,13 @@ def test_report_writes_a_studys_outputs_and_says_when_nothing_was_confirmed(tmp_
     assert doc["winner"] == "baseline" and doc["changed"] == {}
     assert "no candidate was confirmed in A/B pairs yet" in doc["verdict"] and "gc.freeze=true, 2.000x" in doc["verdict"]
     assert doc["machine"] == "a (cpu)" and doc["search"]["runs"] == 4
-    assert (out / "train.py").read_text() == script.read_text() and (out / "tuned.diff").read_text() == ""
+    # nothing kept: the tuned script is the original, and no (empty) tuned.diff, which `git apply` would refuse
+    assert (out / "train.py").read_text() == script.read_text() and not (out / "tuned.diff").exists()
     report = (out / "report.md").read_text()
     assert "no trial run" in report and "(first trial start to last trial end)" in report
-    assert "the study's runs took" in capsys.readouterr().out
+    assert "no `tuned.diff`: the tuned script is the original" in report
+    printed = capsys.readouterr().out
+    assert "the study's runs took" in printed and "your script, unchanged: no tuned.diff" in printed
 
 
 def test_the_study_span_counts_side_by_side_trials_once(tmp_path, storage):

@@ -288,7 +288,8 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         ),
         f"- Search: {o.mode} {doc['search']['configurations_measured']} of {o.space.size} configurations, "
         f"{len(o.results)} runs in {o.wall_s:.0f}s{_span_note(o)}; stopped: {o.stopped}; "
-        f"{o.options.warmup} warm-up + {o.options.steps} measured steps per run",
+        f"{_lengths(o)[0]} warm-up + {_lengths(o)[1]} measured steps per run"
+        + (f" ({o.fit_note})" if o.fit_note else ""),
         f"- Study: {_code(o.study_name)} in {_code(o.storage)} (run the same command again to resume or extend it)",
     ]
     if o.foreign:
@@ -317,7 +318,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         lines += [f"{i}. {_cell(s.text)}" + (f" ({s.speedup:.2f}x)" if s.speedup and s.phase in ("start", "accept") else "")
                   for i, s in enumerate(o.plan.path, 1)]
     if o.interactions:
-        lines += ["", "What each knob of the tuned configuration is worth (speedups of single search runs):", ""]
+        lines += ["", "What each knob of the tuned configuration is worth (what taking it out costs):", ""]
         lines += [f"- {_cell(_code(x.split(': ', 1)[0]))}: {_cell(x.split(': ', 1)[1])}" for x in o.interactions]
     lines += [
         "",
@@ -396,7 +397,7 @@ def report_markdown(o: SearchOutcome, doc: Mapping[str, Any], plot: Path | None,
         f"- `{o.patch.files[0].rel.as_posix()}`"
         + (f" (+ {len(o.patch.files) - 1} local module(s))" if len(o.patch.files) > 1 else "")
         + ": the tuned script, plain code (no autotune import)",
-        f"- `{DIFF_NAME}`: original -> tuned",
+        f"- `{DIFF_NAME}`: original -> tuned" if o.winner else f"- no `{DIFF_NAME}`: the tuned script is the original",
         f"- `{CONFIG_NAME}`: the chosen knobs and the measurements behind them",
         "",
     ]
@@ -449,6 +450,7 @@ class PlotData:
 
 
 MAX_ROWS = 16
+STATUS_COLOR = {"ok": "tab:blue", "diverged": "tab:orange", "unverified": "tab:orange"}  # else red: it failed
 SLOWEST_SHOWN = 0.25  # slower configurations sit at the axis' left edge, so they do not squash the rest
 
 
@@ -474,7 +476,7 @@ def plot_data(o: SearchOutcome) -> PlotData:
             g = "baseline"
         elif r.status is Outcome.OK:
             g = "ok"
-        elif r.status is Outcome.DIVERGED:
+        elif r.status in (Outcome.DIVERGED, Outcome.UNVERIFIED):
             g = "diverged"
         else:
             g = "failed"
@@ -516,7 +518,8 @@ def _rows(o: SearchOutcome) -> tuple[tuple[PlotRow, ...], int, tuple[float, floa
     for key in [*runs, *(k for k in confirmed if k not in runs)]:
         rs, c = runs.get(key, []), confirmed.get(key)
         ok = [r for r in rs if r.status is Outcome.OK]
-        status = "ok" if ok or not rs else str(next((r.status for r in rs if r.status is Outcome.DIVERGED), rs[-1].status))
+        differ = (Outcome.DIVERGED, Outcome.UNVERIFIED)
+        status = "ok" if ok or not rs else str(next((r.status for r in rs if r.status in differ), rs[-1].status))
         search = tuple(o.speedups[r.number] for r in (ok or rs) if r.number in o.speedups)
         if not rs and c is not None and c.search_speedup:
             search = (c.search_speedup,)
@@ -531,7 +534,7 @@ def _rows(o: SearchOutcome) -> tuple[tuple[PlotRow, ...], int, tuple[float, floa
             )
         )
     # the winner first, then those that trained the same by speedup, then those whose losses differ, then failures
-    rank = {"ok": 0, "diverged": 1}
+    rank = {"ok": 0, "diverged": 1, "unverified": 1}
     rows.sort(key=lambda row: (not row.winner, rank.get(row.status, 2), -(row.value or 0.0)))
     # a long list leaves out its slowest configurations that trained the same; those that diverged or failed stay
     slowest = [row for row in reversed(rows) if row.status == "ok" and not row.winner][: max(0, len(rows) - MAX_ROWS)]
@@ -605,7 +608,7 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     for y, h, row in zip(ys, heights, rows):
         if row.winner:
             ax.axhspan(y - h / 2, y + h / 2, color="tab:green", alpha=0.12, zorder=0)
-        color = {"ok": "tab:blue", "diverged": "tab:orange"}.get(row.status, "tab:red")
+        color = STATUS_COLOR.get(row.status, "tab:red")
         for x in row.search:
             cx, out = clip(x)
             marker = ("<" if x < lo else ">") if out else "o"
@@ -629,9 +632,11 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
             wins = f"faster in {sum(x > 1 for x in row.pairs)} of {len(row.pairs)}"
             note = f"{row.value:.2f}x in A/B pairs ({wins}): {'confirmed' if row.accepted else 'not confirmed'}"
         elif row.status == "ok":
-            note = f"{row.value:.2f}x (one search run)" if row.value else "no speedup measured"
+            note = f"{row.value:.2f}x (one search run, not confirmed)" if row.value else "no speedup measured"
         elif row.status == "diverged":
             note = "losses differ: rejected"
+        elif row.status == "unverified":
+            note = "losses cannot be compared: not taken"
         else:
             note = f"failed: {row.status}"
         ax.text(1.03, y, note, transform=right, va="center", fontsize=8, color="black" if row.status == "ok" else color,
@@ -648,12 +653,22 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
         ax.text(0.5, 0.5, "no configuration besides the baseline ran", transform=ax.transAxes, ha="center")
     from matplotlib.lines import Line2D
 
-    legend = [
-        Line2D([], [], marker="o", linestyle="", color="tab:blue", label="search run (vs the last 3 baseline runs)"),
-        Line2D([], [], marker="|", linestyle="-", color="tab:green", label="A/B confirmation pairs, median \u2666/\u2605"),
-        Line2D([], [], marker="o", linestyle="", markerfacecolor="none", color="tab:orange", label="losses differ (diverged)"),
-    ]
-    ax.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
+    # the legend names what is drawn, in the colours it is drawn in
+    legend = [Line2D([], [], marker="o", linestyle="", color="tab:blue",
+                     label="search run (vs the last 3 baseline runs): not confirmed by itself")]
+    if any(row.pairs and row.accepted for row in rows):
+        legend.append(Line2D([], [], marker="*", linestyle="-", color="tab:green", markeredgecolor="black",
+                             label="A/B pairs that confirmed it (\u2605 median)"))
+    if any(row.pairs and not row.accepted for row in rows):
+        legend.append(Line2D([], [], marker="D", linestyle="-", color="0.45",
+                             label="A/B pairs that did not confirm it (\u2666 median)"))
+    if any(row.status in ("diverged", "unverified") for row in rows):
+        legend.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none", color="tab:orange",
+                             label="losses differ, or cannot be compared"))
+    if any(row.status not in STATUS_COLOR for row in rows):
+        legend.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none", color="tab:red",
+                             label="failed (crash, timeout, out of memory...)"))
+    ax.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
     machines = f", {len(o.machines)} machines" if len(o.machines) > 1 else ""
     if o.winner:
         headline = f"{o.winner.speedup:.2f}x faster: {o.winner.reason}"
@@ -663,13 +678,16 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     fig.suptitle(f"autotune search: {o.project.entry.display} on {o.device}{machines}\n{headline}{more}", fontsize=10)
 
     styles = {"baseline": ("0.5", "s"), "ok": ("tab:blue", "o"), "diverged": ("tab:orange", "D"), "failed": ("tab:red", "x")}
+    names = {"baseline": "baseline", "ok": "trained the same", "diverged": "losses differ or unverified",
+             "failed": "failed"}
     # the runs that trained the same set the height; a faster run whose losses differ is drawn at the top edge
     top = max((y for g in ("baseline", "ok") for _, y in data.points[g]), default=0.0) * 1.15 or None
     for label, pts in data.points.items():
         if pts:
             color, marker = styles[label]
             ys_ = [min(y, top) if top else y for _, y in pts]
-            runs_ax.scatter([x for x, _ in pts], ys_, c=color, marker=marker, s=16, label=label, zorder=3, clip_on=False)
+            runs_ax.scatter([x for x, _ in pts], ys_, c=color, marker=marker, s=16, label=names[label], zorder=3,
+                            clip_on=False)
             for (x, y) in pts:
                 if top and y > top:
                     runs_ax.annotate(f"{y:.3g}", (x, top), xytext=(4, -10), textcoords="offset points", fontsize=7,
@@ -692,6 +710,10 @@ def write_plot(o: SearchOutcome, path: Path) -> tuple[Path | None, str | None]:
     plt.close(fig)
     write_file(path, image.getvalue())
     return path, None
+
+
+def _lengths(o: SearchOutcome) -> tuple[int, int]:
+    return o.lengths or (o.options.warmup, o.options.steps)
 
 
 def _span_note(o: SearchOutcome) -> str:
@@ -725,9 +747,11 @@ def print_summary(o: SearchOutcome, w: Written, console) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    diff = w.entry.parent / DIFF_NAME
     console.print(
-        f"wrote {w.entry} (tuned script), {w.entry.parent / CONFIG_NAME}, {w.entry.parent / DIFF_NAME}, "
-        f"{w.entry.parent / REPORT_NAME}" + (f" and {w.plot.name}" if w.plot else f" (plot skipped: {w.plot_skipped})"),
+        f"wrote {w.entry} (" + ("tuned script" if w.changed else "your script, unchanged: no tuned.diff") + "), "
+        f"{w.entry.parent / CONFIG_NAME}, " + (f"{diff}, " if w.changed else "")
+        + f"{w.entry.parent / REPORT_NAME}" + (f" and {w.plot.name}" if w.plot else f" (plot skipped: {w.plot_skipped})"),
         highlight=False,
         markup=False,
         soft_wrap=True,

@@ -192,6 +192,8 @@ class SearchOutcome:
     hidden: int = 0  # sampler proposals of configurations already measured, told the earlier result, not shown
     reserved_s: float | None = None  # the time the search set aside for confirmation
     warning: str | None = None  # the machine's timing noise makes the verdict unreliable: why, and what to do
+    lengths: tuple[int, int] | None = None  # warm-up and measured steps of the runs (fitted to the budget)
+    fit_note: str | None = None  # how fitting the budget shortened the runs
     # runs of the study left out because a knob value stored with them is not one of its choices: trial -> values
     foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
 
@@ -326,6 +328,7 @@ class Search:
         self.results: list[TrialResult] = []
         self.foreign: dict[int | None, list[tuple[str, Any]]] = {}  # study runs left out: trial -> odd knob values
         self._warned = 0.0  # the baseline's time spread the last noise warning said
+        self._reported = ""  # the machine ``autotune report`` reports on
         self.threads: tuple[int, int] | None = None  # CPU threads of a run and of the perturbed one (set on CPU)
         self._claims: set[str] = set()  # what other workers are measuring now
         self._taken: set[str] = set()  # of that, the programs (code keys) of search trials
@@ -442,6 +445,7 @@ class Search:
             )
         self.store = store
         self.storage_desc = store.storage.description
+        self.lengths = store.lengths() or self.lengths
         self.results = self._admit(store.results())
         if not self.results:
             raise UsageError(f"study '{store.name}' has no finished trials yet")
@@ -467,6 +471,7 @@ class Search:
             machine = max(
                 (r.machine for r in self.results), key=lambda m: len(self._baselines(m)), default=""
             )
+        self._reported = machine
         machines = len({r.machine for r in self.results})
         stopped = f"reported from the study ({len(self.results)} runs on {machines} machine(s); no trial run)"
         return self._outcome(stopped, confirmations, winner, machine, store.span_s(), from_study=True)
@@ -502,6 +507,8 @@ class Search:
             reserved_s=self.reserved_s,
             foreign=dict(self.foreign),
             warning=self._warning(machine),
+            lengths=self.lengths,
+            fit_note=self.fit_note,
         )
 
     def _warning(self, machine: str) -> str | None:
@@ -511,27 +518,35 @@ class Search:
         return noise_warning(spread, self._all_baselines(machine), self.threads)
 
     def _interactions(self, config: Mapping[str, Any]) -> tuple[str, ...]:
-        """For each knob ``config`` changes: its speedup alone, and the chosen configuration's without it, where
-        the study measured them (``sdpa.attention=sdpa: alone 1.41x; without it the rest runs 0.16x the tuned``)."""
+        """What each knob ``config`` changes is worth to it: what taking the knob out costs, from the A/B pairs that
+        compared the two where the search ran them, else from their single runs, with the noise they carry
+        (``sdpa.attention=sdpa: worth 1.41x (3 A/B pairs, 1.32x to 1.50x)``)."""
         view = self.view()
         mine = view.observed(config)
         out = []
         for knob in self.space.changed(config):
-            alone = view.observed(self.canonical({**self.space.baseline(), knob.name: config[knob.name]}))
-            without_cfg = self.canonical({**config, knob.name: knob.default})
-            without = view.observed(without_cfg) if not view.same(without_cfg, config) else None
-            parts = []
-            if alone is not None:
-                parts.append(f"alone {alone.speedup:.2f}x" if alone.ok else f"alone {alone.status}")
-            if without is not None and mine is not None and mine.speedup:
-                parts.append(
-                    f"the rest without it {without.speedup:.2f}x, so in the tuned configuration it is worth "
-                    f"{mine.speedup / without.speedup:.2f}x"
-                    if without.ok and without.speedup
-                    else f"the rest without it {without.status}"
-                )
-            if parts:
-                out.append(f"{knob.name}={config[knob.name]}: " + "; ".join(parts))
+            without = self.canonical({**config, knob.name: knob.default})
+            if view.same(without, config):
+                continue
+            runs = view.duel(config, without)
+            ratios = [a / b for j in sorted({j for j, _ in runs}) if (a := runs.get((j, "a"))) and (b := runs.get((j, "b")))]
+            if not ratios:  # a duel the other way round (the knob's removal was the more complex one: never)
+                back = view.duel(without, config)
+                ratios = [b / a for j in sorted({j for j, _ in back})
+                          if (a := back.get((j, "a"))) and (b := back.get((j, "b")))]
+            other = view.observed(without)
+            if ratios:
+                text = (f"worth {statistics.median(ratios):.2f}x ({len(ratios)} A/B pairs against it without, "
+                        f"{min(ratios):.2f}x to {max(ratios):.2f}x)")
+            elif other is not None and other.ok and other.speedup and mine is not None and mine.speedup:
+                noise = _margin(self._baselines())
+                text = (f"worth about {mine.speedup / other.speedup:.2f}x (one run each, with and without it; "
+                        f"runs here differ by up to {100 * noise:.0f}%)")
+            elif other is not None and not other.ok:
+                text = f"needed: without it the run {other.status}"
+            else:
+                text = "not measured without it (the time ran out before the descent got to it)"
+            out.append(f"{knob.name}={config[knob.name]}: {text}")
         return tuple(out)
 
     def _startup(self, winner: Confirmation) -> str | None:
@@ -584,7 +599,10 @@ class Search:
     # timing and budgets
 
     def _mine(self, machine: str | None = None) -> str:
-        return machine if machine is not None else (self.machine.key if self.machine else "")
+        """``machine``, else the one this worker runs on (or, for ``autotune report``, the one it reports on)."""
+        if machine is not None:
+            return machine
+        return self.machine.key if self.machine else self._reported
 
     def _estimate(self) -> float:
         """Seconds one run of the baseline takes on this machine at the current run lengths (0 before any ran)."""
@@ -917,6 +935,9 @@ class Search:
                 if self._taken:  # the strategy's last steps are other workers' trials: their results decide
                     self._wait("configuration(s) other workers are measuring", self._taken)
                     continue
+                if self.plan.untried:
+                    return self._out_of_time(
+                        f"{self.plan.untried} knob change(s) on the best configuration were not tried")
                 if self.o.trials is None:  # the time left goes to untried configurations that could still win
                     hope = self._hopeful()
                     if hope is None:
@@ -973,12 +994,13 @@ class Search:
             f"combines knob changes that measured slower, or no faster, wherever they were tried{spare}"
         )
 
-    def _out_of_time(self) -> str:
+    def _out_of_time(self, untried: str = "") -> str:
+        said = f" ({untried})" if untried else ""
         if self.candidates():
-            return "time budget reached (the rest is set aside for confirmation)"
+            return f"time budget reached{said}: the rest is set aside for confirmation"
         return (
-            f"time budget reached: the last {max(self._time_left(), 0):.0f}s were kept to confirm a candidate, and "
-            "none was faster than the baseline"
+            f"time budget reached{said}: the last {max(self._time_left(), 0):.0f}s were kept to confirm a candidate, "
+            "and none was faster than the baseline"
         )
 
     def _least(self) -> Least:
@@ -1157,7 +1179,7 @@ class Search:
             low, high, cover = median_interval(ratios)
             accepted = p <= ALPHA and median_ratio > 1.0 + MIN_GAIN
             if accepted:
-                word = "faster"
+                word = ""
             elif high < 1.0:
                 word = f"slower ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x)"
             elif low > 1.0:
@@ -1165,7 +1187,7 @@ class Search:
             else:
                 word = f"not shown faster ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x holds 1.0)"
             reason = (
-                f"{word}: faster in {wins} of {len(ratios)} A/B pairs (sign test p = {p:.3f}), median speedup "
+                (f"{word}: " if word else "") + f"faster in {wins} of {len(ratios)} A/B pairs (sign test p = {p:.3f}), median speedup "
                 f"{median_ratio:.3f}x, {100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x{missing}"
                 + (f"; {stopped}" if stopped and not accepted else "")
             )

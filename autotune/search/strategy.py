@@ -80,6 +80,7 @@ class Plan:
     blamed: tuple[Blame, ...]
     incumbent: dict[str, Any]
     done: bool
+    untried: int = 0  # descent steps from the incumbent the time left did not cover: done, but not converged
 
     @property
     def next(self) -> Proposal | None:
@@ -162,7 +163,9 @@ class StrongStart:
 
         def stop(p: Proposal | None, incumbent: Config, more: Sequence[Proposal] = ()) -> Plan:
             ready = tuple([p, *more]) if p is not None else ()
-            return Plan(ready, tuple(path), tuple(blamed), dict(incumbent), p is None)
+            on = f" on {label(incumbent, self.space)} not tried"
+            untried = sum(step.phase == "skip" and on in step.text for step in path)
+            return Plan(ready, tuple(path), tuple(blamed), dict(incumbent), p is None, untried)
 
         # 1. the start configuration; where the time left does not cover it, without the knobs whose runs cost much
         # more than the baseline's (compilation), which the descent tries later if the time allows
@@ -384,18 +387,17 @@ class StrongStart:
             ok = [a for a in alternatives if _ok(view, a)]
             return (max(ok, key=lambda a: view.observed(a).speedup), None) if ok else (incumbent, None)
         margin = view.threshold()
+        measured = [a for a in alternatives if _ok(view, a) and view.observed(a).speedup]
+        clear = [a for a in measured if view.observed(a).speedup > base.speedup * (1.0 + margin)]
+        if clear:  # one is faster beyond the noise: no tie among the others needs settling
+            return max(clear, key=lambda a: view.observed(a).speedup), None
         faster: list[tuple[Config, str | None]] = []
         simpler: list[tuple[Config, str | None]] = []
         held: list[str] = []
-        for a in alternatives:
+        for a in measured:
             got = view.observed(a)
-            if got is None or not got.ok or not got.speedup:
-                continue
             ratio = got.speedup / base.speedup
             fewer = len(self.space.changed(a)) < len(self.space.changed(incumbent))
-            if ratio > 1.0 + margin:
-                faster.append((a, None))
-                continue
             if fewer and ratio >= 1.0 - TIE_FLOOR:
                 simpler.append((a, None))
                 continue
