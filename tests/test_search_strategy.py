@@ -626,3 +626,28 @@ def test_noisy_baselines_are_said_at_once_with_the_load_average_and_the_likely_c
     assert "2 runs of the baseline differ by 46% in step time" in text  # (1.6 - 1) / their median, 1.3
     assert "load average 1.0 to 3.4 on" in text and "other processes compete for the CPU" in text
     assert outcome.noisy and "differ by" in outcome.noisy  # and the report says it again, over every baseline run
+
+
+def test_a_start_knob_whose_code_never_runs_is_left_out_at_once_with_every_value():
+    """fused AdamW on a script that creates its optimizer only under a flag it was not given: the start is
+    'unreached'; the knob is left out (no bisection), and the descent never tries its other values."""
+
+    def ok(c):
+        return True, None
+
+    world = World(gpt_speed, ok)
+    real_measure = world.measure
+
+    def measure(config):
+        real_measure(config)
+        if config["fused_optimizer.impl"] != "default":  # the optimizer's code is on a path the run never takes
+            world.seen[config_key(config)] = Observation(False, None, "unreached", "never took effect",
+                                                         ("fused_optimizer.impl",))
+
+    world.measure = measure
+    plan = drive(StrongStart(SPACE, START, EXPENSIVE), world)
+    tried = [c["fused_optimizer.impl"] for c in world.order]
+    assert tried.count("fused") == 1 and "foreach" not in tried  # the start only
+    assert [(b.knob, b.every_value) for b in plan.blamed] == [("fused_optimizer.impl", True)]
+    assert world.order[1]["fused_optimizer.impl"] == "default"  # measured again without it, straight away
+    assert plan.incumbent["fused_optimizer.impl"] == "default"

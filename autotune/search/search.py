@@ -1217,7 +1217,9 @@ class _View:
                 self._obs[key] = Observation(True, 1.0)
             else:
                 ok = r.status is Outcome.OK
-                self._obs[key] = Observation(ok, search._value(r) if ok else None, str(r.status), r.error)
+                idle = tuple(unreached(r.with_(status=Outcome.OK), search.space.changed(r.config))) \
+                    if r.status is Outcome.UNREACHED else ()
+                self._obs[key] = Observation(ok, search._value(r) if ok else None, str(r.status), r.error, idle)
         self._threshold = _margin(search._baselines())
 
     def observed(self, config):

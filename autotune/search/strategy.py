@@ -38,6 +38,7 @@ class Observation:
     speedup: float | None  # throughput over the same machine's baseline runs (the search's one definition)
     status: str = "ok"
     error: str | None = None
+    unreached: tuple[str, ...] = ()  # knobs it changes whose code never ran (the run measured the program without them)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Blame:
     knob: str
     value: Any
     reason: str
+    every_value: bool = False  # the knob's code never ran: no value of it can change this script's run
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,22 @@ class StrongStart:
             # 2. blame: while it fails, bisect the changed knobs for the one that breaks it, drop it, measure again
             changed = [n for n in self.order if not same_value(current.get(n), self.space.baseline()[n])]
             while not got.ok:
+                idle = [n for n in changed if n in got.unreached]
+                if idle:  # knobs whose code never ran: no bisection needed, and no value of them can help
+                    for name in idle:
+                        changed.remove(name)
+                        reason = "its code never ran in this script's run (the path it changes was not taken)"
+                        blamed.append(Blame(name, self.start[name], reason, every_value=True))
+                        path.append(Step("blame", f"left out {name}: {reason}"))
+                    current = view.canonical(self._with(changed))
+                    if view.same(current, base):
+                        break
+                    got = view.observed(current)
+                    if got is None:
+                        why = "the start configuration without " + ", ".join(f"{b.knob}={_text(b.value)}" for b in blamed)
+                        return stop(Proposal(current, "start", why), base)
+                    path.append(Step("start", f"start without them: {label(current, self.space)}", current, _speed(got)))
+                    continue
                 lo, hi, failure = 0, len(changed), got  # prefix lo passes (the baseline does), prefix hi fails
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
@@ -217,6 +235,7 @@ class StrongStart:
             path.append(Step("accept", f"descent starts from: {label(incumbent, self.space)}", incumbent,
                              _speed(view.observed(incumbent))))
         blamed_values = {(b.knob, _text(b.value)) for b in blamed}
+        blamed_values |= {(b.knob, _text(v)) for b in blamed if b.every_value for v in self.space.choices[b.knob]}
         unaffordable: set[str] = set()  # descent steps the time left did not cover (said once each in the path)
         said: set[str] = set()  # ties a duel decided for the incumbent (said once each)
 
@@ -331,6 +350,7 @@ class StrongStart:
                         key = (diff[0], _text(x[diff[0]]))
                         gains[key] = max(gains.get(key, 0.0), sx / sy)
         failed = {(b.knob, _text(b.value)) for b in blamed}
+        failed |= {(b.knob, _text(v)) for b in blamed if b.every_value for v in self.space.choices[b.knob][1:]}
         failed |= {(n, _text(v)) for n, v in self.expensive}
         bar = best * (1.0 + view.threshold())
         names = [k.name for k in self.space.knobs]
