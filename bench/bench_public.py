@@ -13,8 +13,8 @@ For each case of a spec file (bench/public.yaml) and each time budget:
 The scripts are not part of this repository: fetch them (their repositories are named in the spec) and pass
 ``--root`` where they are. Nothing here is asserted; docs/benchmarks.md records what it printed.
 
-    python bench/bench_public.py --root /tmp/pub --out /tmp/eval search --budgets 300 1200
-    python bench/bench_public.py --root /tmp/pub --out /tmp/eval ab --rounds 5
+    python bench/bench_public.py --root /tmp/pub --out /tmp/eval --budgets 300,1200 search
+    python bench/bench_public.py --root /tmp/pub --out /tmp/eval --budgets 300,1200 ab --rounds 5
 """
 
 from __future__ import annotations
@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, required=True, help="where the public scripts' folders are")
     parser.add_argument("--out", type=Path, required=True, help="searches, baked scripts and results go here")
     parser.add_argument("--spec", type=Path, default=SPEC)
-    parser.add_argument("--cases", nargs="*", help="cases of the spec to run (default: all)")
-    parser.add_argument("--budgets", nargs="*", type=int, default=[300, 1200])
+    parser.add_argument("--cases", type=lambda text: text.split(","), help="cases of the spec, comma-separated (default: all)")
+    parser.add_argument("--budgets", type=lambda text: [int(b) for b in text.split(",")], default=[300, 1200],
+                        help="time budgets, comma-separated (default 300,1200)")
     sub = parser.add_subparsers(dest="phase", required=True)
     sub.add_parser("search")
     ab = sub.add_parser("ab")

@@ -651,3 +651,15 @@ def test_a_start_knob_whose_code_never_runs_is_left_out_at_once_with_every_value
     assert [(b.knob, b.every_value) for b in plan.blamed] == [("fused_optimizer.impl", True)]
     assert world.order[1]["fused_optimizer.impl"] == "default"  # measured again without it, straight away
     assert plan.incumbent["fused_optimizer.impl"] == "default"
+
+
+def test_a_budget_the_first_run_alone_exceeds_names_the_budget_not_the_timeout(tmp_path, monkeypatch):
+    from autotune.search.budget import BudgetTooSmall
+
+    search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=1.0)
+    with pytest.raises(BudgetTooSmall) as refused:
+        search.run()
+    message = str(refused.value)
+    assert message.startswith("--time-budget 1s ran out before the first baseline run finished")
+    assert "--timeout" not in message and "give --time-budget at least 14 times one run's time" in message
+    assert [role for _, role, _ in runner.runs] == ["baseline"]
