@@ -17,7 +17,7 @@ from autotune import __version__
 from autotune.analysis import Project, load_project, source_lines
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.patch import CONFIG_NAME, DIFF_NAME, PatchResult, check_out_dir, run, select, write_in_place, write_outputs
-from autotune.transform import Site, Status, all_knobs
+from autotune.transform import Site, Status, all_knobs, all_transforms
 
 LOOKED_FOR = (
     "no training loop found: looked for a for/while loop whose body, directly or through a local function, "
@@ -194,6 +194,48 @@ def cmd_bake(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def knob_rows() -> list[dict]:
+    """Every knob autotune declares, as ``autotune knobs`` shows it: choices with the default first."""
+    rows = []
+    for t in all_transforms():
+        for k in t.knobs:
+            choices = [k.default, *(c for c in k.choices if type(c) is not type(k.default) or c != k.default)]
+            devices = sorted(k.devices & t.devices)
+            rows.append({"name": k.name, "transform": t.name, "choices": choices, "default": k.default,
+                         "numerics": str(k.numerics), "devices": devices, "help": k.help})
+    return rows
+
+
+def knobs_markdown(rows: list[dict]) -> str:
+    """The knob table as the README has it (generated: ``autotune knobs --markdown``)."""
+    lines = ["| knob | choices (default first) | numerics | devices | what it does |", "|---|---|---|---|---|"]
+    for row in rows:
+        choices = ", ".join(map(str, row["choices"]))
+        cells = [f"`{row['name']}`", choices, row["numerics"], ", ".join(row["devices"]), row["help"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_knobs(args: argparse.Namespace, console: Console) -> int:
+    rows = knob_rows()
+    if args.json:
+        print(json.dumps({"schema": JSON_SCHEMA_VERSION, "knobs": rows}, indent=2))
+        return 0
+    if args.markdown:
+        sys.stdout.write(knobs_markdown(rows))
+        return 0
+    from rich.table import Table
+
+    table = Table(show_lines=False)
+    for col in ("knob", "choices (default first)", "numerics", "devices", "what it does"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(row["name"], ", ".join(map(str, row["choices"])), row["numerics"], ", ".join(row["devices"]),
+                      row["help"])
+    console.print(table)
+    return 0
+
+
 def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.live import SearchDisplay
     from autotune.search.report import print_summary, write_outputs
@@ -300,6 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
     bake.add_argument("--config", required=True, help="YAML with knobs: {name: value} (e.g. a search's autotune.yaml)")
     bake.add_argument("--out", default="autotune-out", help="output folder (default: autotune-out)")
     bake.set_defaults(func=cmd_bake)
+
+    knobs = _sub(
+        sub, "knobs", "list every knob: its choices (default first), numerics, devices and what it does",
+        "  autotune knobs\n  autotune knobs --json\n  autotune knobs --markdown   # the README's table\n",
+    )
+    shape = knobs.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="print the knobs as JSON")
+    shape.add_argument("--markdown", action="store_true", help="print the knob table in Markdown")
+    knobs.set_defaults(func=cmd_knobs)
 
     search = _sub(
         sub, "search", "try knob configurations, keep the fastest that trains the same",
