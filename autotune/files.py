@@ -13,6 +13,8 @@ from pathlib import Path
 from autotune.errors import UsageError
 
 MARKER = ".autotune-out"  # in every output folder autotune made: the only folders it writes into, besides new ones
+REPORT_NAME = "report.md"  # what a search writes beside the tuned script: its report
+PLOT_NAME = "throughput.png"  # and the report's plot
 MARKER_TEXT = "autotune made this folder and writes its outputs here; delete the folder when you no longer need them\n"
 
 

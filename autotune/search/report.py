@@ -16,7 +16,7 @@ from typing import Any
 
 from autotune import __version__
 from autotune.bake import DIFF_NAME, bake, check_out_dir, write_baked
-from autotune.files import write_file
+from autotune.files import PLOT_NAME, REPORT_NAME, write_file
 from autotune.knobs import Numerics
 from autotune.patch import CONFIG_NAME
 from autotune.search.gate import LOWP_WINDOW, numerics_of
@@ -26,8 +26,6 @@ from autotune.search.search import SearchOutcome, is_baseline_run, train_time
 from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_PERTURBED, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
-REPORT_NAME = "report.md"
-PLOT_NAME = "throughput.png"
 
 
 @dataclass(frozen=True)

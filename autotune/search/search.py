@@ -19,7 +19,7 @@ from typing import Any
 from autotune.analysis import RUNTIME_ALIAS, Project, load_project
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.bake import bake, check_out_dir
-from autotune.files import claim_out_dir
+from autotune.files import PLOT_NAME, REPORT_NAME, claim_out_dir
 from autotune.patch import PatchResult, run, select
 from autotune.search.budget import (
     ALPHA,
@@ -317,8 +317,6 @@ class Search:
             self.space = build_space(self.patch.knobs, self.device, wanted)
             start, expensive = start_of(self.device, wanted, options.space is not None)
         self.strategy = StrongStart(self.space, start, expensive)
-        from autotune.search.report import PLOT_NAME, REPORT_NAME  # (not at the top: report.py imports this module)
-
         self.out = check_out_dir(options.out, self.project, (REPORT_NAME, PLOT_NAME))
         self.fingerprint = fingerprint(self.patch, options, self.device, self.space)
         self.study_name = options.study_name or f"{options.script.stem}-{self.fingerprint[:12]}"
