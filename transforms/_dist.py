@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project
+from autotune.transform import Status
 
 DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
 FSDP = {
@@ -41,6 +42,41 @@ def positional(call: cst.Call) -> list[cst.Arg]:
 def runtime_splat(facts: ModuleFacts, call: cst.Call, helper: str) -> bool:
     """Whether ``call`` already passes ``**_autotune.<helper>(...)``: autotune patched it before."""
     return any(a.star == "**" and facts.is_runtime_call(a.value, helper) for a in call.args)
+
+
+def wrapper_settings(
+    transform, facts: ModuleFacts, call: cst.Call, label: str, settings: tuple[str, ...], helper: str,
+    max_positional: int, leave_out: tuple[tuple[str, str], ...] = (),
+) -> tuple[list[str], set[str]] | None:
+    """The keyword settings of a wrapper call (``DDP(model, ...)``, ``FSDP(model, ...)``) that become knobs, and
+    those the script wrote itself, with the call's site reported; None where none can: already knobs, settings that
+    may come from ``**kwargs`` or by position, or every one written. ``leave_out``: (setting, why) never offered."""
+    if runtime_splat(facts, call, helper):
+        transform.report(facts, call, Status.PRESENT, f"{label} settings are already knobs")
+        return None
+    splat = next((a for a in call.args if a.star), None)
+    if splat is not None:
+        reason = f"{splat.star}{facts.code(splat.value)} may set the {label} settings"
+        transform.report(facts, call, Status.NOT_APPLICABLE, reason)
+        return None
+    if len(positional(call)) > max_positional:
+        transform.report(facts, call, Status.NOT_APPLICABLE, f"{label} settings may be passed by position")
+        return None
+    written = {a.keyword.value: a for a in call.args if a.keyword is not None and a.keyword.value in settings}
+    kept = ", ".join(f"{n}={facts.code(a.value)}" for n, a in written.items())
+    if len(written) == len(settings):
+        transform.report(facts, call, Status.USER, f"{label}({kept}) is the script's choice")
+        return None
+    free = [n for n in settings if n not in written]
+    notes = ""
+    for name, why in leave_out:
+        if name in free:
+            free.remove(name)
+            notes += f"; {name} left out: {why}"
+    verb = "becomes a knob" if len(free) == 1 else "become knobs"
+    reason = f"{label}: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "") + notes
+    transform.report(facts, call, Status.APPLICABLE, reason)
+    return free, set(written)
 
 
 

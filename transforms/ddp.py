@@ -5,7 +5,7 @@ from __future__ import annotations
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Mode, Status, Transform, add_args, kwarg, move_into_helper
-from autotune.transforms._dist import DDP, calls_to, positional, runtime_splat
+from autotune.transforms._dist import DDP, calls_to, wrapper_settings
 
 SETTINGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
 # DistributedDataParallel(module, device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
@@ -70,33 +70,15 @@ class Ddp(Transform):
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         for call in calls_to(facts, DDP):
-            if runtime_splat(facts, call, "ddp_kwargs"):
-                self.report(facts, call, Status.PRESENT, "DDP settings are already knobs")
+            written = {a.keyword.value for a in call.args if a.keyword is not None}
+            leave_out = (("static_graph", _STATIC_NO_SYNC),) if "static_graph" not in written and self._skips_sync() else ()
+            found = wrapper_settings(self, facts, call, "DDP", SETTINGS, "ddp_kwargs", _POSITIONAL_SETTINGS, leave_out)
+            if found is None:
                 continue
-            splat = next((a for a in call.args if a.star), None)
-            if splat is not None:
-                self.report(facts, call, Status.NOT_APPLICABLE, f"{splat.star}{facts.code(splat.value)} may set the DDP settings")
-                continue
-            if len(positional(call)) > _POSITIONAL_SETTINGS:
-                self.report(facts, call, Status.NOT_APPLICABLE, "DDP settings may be passed by position")
-                continue
-            written = {a.keyword.value: a for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
-            kept = ", ".join(f"{n}={facts.code(a.value)}" for n, a in written.items())
-            if len(written) == len(SETTINGS):
-                self.report(facts, call, Status.USER, f"DDP({kept}) is the script's choice")
-                continue
-            free = [n for n in SETTINGS if n not in written]
-            left_out = ""
-            if "static_graph" in free and self._skips_sync():
-                free.remove("static_graph")
-                left_out = f"; static_graph left out: {_STATIC_NO_SYNC}"
-            verb = "becomes a knob" if len(free) == 1 else "become knobs"
-            reason = f"DDP: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "") + left_out
-            self.report(facts, call, Status.APPLICABLE, reason)
+            free, names = found
             if self.mode.gated:
                 self.settings_read.update(free)
                 helper = edits.runtime("ddp_kwargs")
-                names = set(written)
                 edits.rewrite(call, lambda node, names=names, helper=helper: move_into_helper(node, names, helper))
                 continue
             extra = [

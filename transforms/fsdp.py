@@ -5,7 +5,7 @@ from __future__ import annotations
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_into_helper, star_kwargs
-from autotune.transforms._dist import FSDP, FULLY_SHARD, calls_to, positional, runtime_splat, short_name
+from autotune.transforms._dist import FSDP, FULLY_SHARD, calls_to, runtime_splat, short_name, wrapper_settings
 
 SETTINGS = ("forward_prefetch", "backward_prefetch", "limit_all_gathers", "use_orig_params")
 # FullyShardedDataParallel(module, process_group, sharding_strategy, cpu_offload, auto_wrap_policy,
@@ -79,30 +79,13 @@ class Fsdp(Transform):
 
     def _wrapper(self, facts: ModuleFacts, edits: Edits, call) -> None:
         """FSDP1: ``FullyShardedDataParallel(module, ...)``."""
-        if runtime_splat(facts, call, "fsdp_kwargs"):
-            self.report(facts, call, Status.PRESENT, "FSDP settings are already knobs")
+        found = wrapper_settings(self, facts, call, "FSDP", SETTINGS, "fsdp_kwargs", _POSITIONAL_SETTINGS)
+        if found is None:
             return
-        splat = next((a for a in call.args if a.star), None)
-        if splat is not None:
-            self.report(facts, call, Status.NOT_APPLICABLE, f"{splat.star}{facts.code(splat.value)} may set the FSDP settings")
-            return
-        if len(positional(call)) > _POSITIONAL_SETTINGS:
-            self.report(facts, call, Status.NOT_APPLICABLE, "FSDP settings may be passed by position")
-            return
-        written = {a.keyword.value: a for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
-        kept = ", ".join(f"{n}={facts.code(a.value)}" for n, a in written.items())
-        if len(written) == len(SETTINGS):
-            self.report(facts, call, Status.USER, f"FSDP({kept}) is the script's choice")
-            return
-        free = [n for n in SETTINGS if n not in written]
-        verb = "becomes a knob" if len(free) == 1 else "become knobs"
-        self.report(
-            facts, call, Status.APPLICABLE, f"FSDP: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "")
-        )
+        free, names = found
         if self.mode.gated:
             self.settings_read.update(free)
             helper = edits.runtime("fsdp_kwargs")
-            names = set(written)
             edits.rewrite(call, lambda node, names=names, helper=helper: move_into_helper(node, names, helper))
             return
         extra = []
