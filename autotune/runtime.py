@@ -183,11 +183,18 @@ def _dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def autocast():
-    """The autocast region autotune injected around forward and loss; a null context by default."""
+def autocast(bf16_only: bool = False):
+    """The autocast region autotune injected around forward and loss; a null context by default.
+
+    ``bf16_only``: the script has no place where fp16's gradient scaling could go (an optimizer not bound on every
+    path to a clipping), so fp16 is refused rather than run unscaled.
+    """
     dtype = knob("autocast.dtype", "default")
     if dtype == "default":
         return contextlib.nullcontext()
+    if bf16_only and dtype != "bf16":
+        _fail(f"autocast.dtype={dtype} is not offered for this script (bf16 only: fp16's gradient scaling has no "
+              "safe place here; see autotune scan)")
     import torch
 
     return torch.autocast(device_type=device_type(), dtype=_dtype(dtype))

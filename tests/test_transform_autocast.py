@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,7 @@ def _losses(tmp: Path, label: str, text: str, steps: int, dtype: str | None = No
         ("loss_in_backward", [Status.NOT_APPLICABLE]),
         ("saliency_outside_loop", [Status.NOT_APPLICABLE]),
         ("lbfgs_closure", [Status.NOT_APPLICABLE]),
+        ("optimizer_on_one_path", [Status.APPLICABLE]),  # bf16 only
     ],
 )
 def test_sites(name, expected):
@@ -221,7 +225,9 @@ STEPS = {
     "zero_grad_after_forward": 6,
     "user_autocast_lookalike": 6,
     "step_one_line": 6,
+    "optimizer_on_one_path": 6,
 }
+BF16_ONLY = {"optimizer_on_one_path"}  # fp16 not offered: no safe place for its gradient scaling
 SCRIPT_DTYPE = {"amp_scaler": "fp16"}  # cases that autocast already
 # every script run costs seconds: the quick suite runs these, the rest are marked slow
 FAST_DEFAULT = {"basic", "amp_scaler"}
@@ -255,7 +261,7 @@ def test_default_gives_the_original_losses(tmp_path, original, name):
     "name, dtype",
     [
         p if p in FAST_VALUES else pytest.param(*p, marks=pytest.mark.slow)
-        for p in [(n, d) for n in STEPS for d in ("bf16", "fp16")]
+        for p in [(n, d) for n in STEPS for d in ("bf16", "fp16") if not (n in BF16_ONLY and d == "fp16")]
     ],
 )
 def test_each_dtype_trains_and_bakes_to_the_same_losses(tmp_path, original, name, dtype):
@@ -300,3 +306,26 @@ def test_baked_autocast_follows_the_scripts_device_not_the_searchs(tmp_path, nam
     assert 'device_type="cuda"' not in text
     patched = _losses(tmp_path, "patched", _text(name), STEPS[name], dtype="bf16")  # its trial: autocast on CPU
     assert _losses(tmp_path, "baked", text, STEPS[name]) == patched
+
+
+def test_where_fp16_scaling_has_no_safe_place_bf16_alone_is_offered(tmp_path):
+    """A word-language-model shape: the optimizer exists under a flag only, a hand-written update otherwise, and the
+    gradients are clipped on every path. fp16 would have to unscale the optimizer's gradients before the clip, and
+    the optimizer may not exist there; bf16 needs no scaling, so it is offered, and fp16 is refused at run time."""
+    result = _result("optimizer_on_one_path")
+    (site,) = [s for s in result.sites if s.status is Status.APPLICABLE]
+    assert site.reason.endswith(
+        "bf16 only: optimizer is not bound on every path to the clipping at optimizer_on_one_path.in.py:43, where fp16 "
+        "would unscale its gradients"
+    )
+    (knob,) = result.knobs
+    assert knob.choices == ("default", "bf16") and "fp16 not offered here" in knob.help
+    (tmp_path / "train.py").write_text(_text("optimizer_on_one_path"))
+    (tmp_path / "fp16.yaml").write_text(yaml.safe_dump({"device": "cpu", "knobs": {"autocast.dtype": "fp16"}}))
+    env = {**os.environ, "AUTOTUNE_CONFIG": str(tmp_path / "fp16.yaml"), "OMP_NUM_THREADS": "1"}
+    env.pop("AUTOTUNE_TRIAL", None)
+    ran = subprocess.run([sys.executable, "train.py", "--epochs", "1"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr
+    assert "autocast.dtype=fp16 is not offered for this script (bf16 only" in ran.stderr
+    assert _text("optimizer_on_one_path", "fp16") == _case("optimizer_on_one_path").read_text()  # bake: no change

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import libcst as cst
 
@@ -74,6 +74,14 @@ class Autocast(Transform):
         self._plans: dict[ModuleFacts, _Plan] | None = None
         self._scaler_name = "scaler"
         self._settled = False  # the script autocasts in bf16 only, without a GradScaler: nothing to tune
+        self._bf16_only: str | None = None  # why fp16 is not offered (its gradient scaling cannot be placed safely)
+
+    def knobs_read(self) -> tuple[Knob, ...]:
+        """bf16 needs no gradient scaling: where fp16's cannot be placed safely, the knob offers bf16 alone."""
+        if self._bf16_only is None:
+            return self.knobs
+        knob = self.knobs[0]
+        return (replace(knob, choices=("default", "bf16"), help=f"{knob.help}; fp16 not offered here: {self._bf16_only}"),)
 
     # --- gated or baked code ---------------------------------------------------------------------------------
 
@@ -90,6 +98,8 @@ class Autocast(Transform):
             self.report(facts, node, status, reason)
         if self.baking() and self._dtype() == "default":
             return
+        if self.baking() and self._dtype() == "fp16" and self._bf16_only is not None:
+            return  # (not offered: its scaling cannot be placed here; the site says why)
         if not (plan.autocasts or plan.scalers or plan.wraps or plan.scale or plan.steps):
             return
         torch = _torch_name(facts, edits, self.baking())
@@ -99,7 +109,7 @@ class Autocast(Transform):
             self._knob_scaler(facts, edits, call)
         for group in plan.wraps:
             if self.mode.gated:
-                head = f"{edits.runtime('autocast')}()"
+                head = f"{edits.runtime('autocast')}(" + ("bf16_only=True" if self._bf16_only else "") + ")"
             else:
                 # the script's own device, not the search's: a CPU search's "cpu" autocast does nothing on a GPU
                 device = plan.devices.get(group[0]) or f'"cuda" if {torch}.cuda.is_available() else "cpu"'
@@ -287,7 +297,18 @@ class Autocast(Transform):
                 reason = f"{unbound_at[0]}, where fp16 would unscale its gradients"
             elif self.baking() and self._dtype() == "fp16" and not self._place_scaler(loop, work):
                 reason = "fp16 needs one GradScaler for backward() and step(), and they sit in different files"
-            if reason is not None:
+            if reason is not None and unbound_at and not has_scaler:
+                # bf16 needs none of that scaling: the autocast regions stay, with bf16 the only choice
+                self._bf16_only = reason
+                for plan in work.values():
+                    plan.scale.clear()
+                    plan.steps.clear()
+                    plan.updates.clear()
+                    plan.unscale.clear()
+                    plan.reports = [
+                        (n, st, f"{r}; bf16 only: {reason}" if st is Status.APPLICABLE else r) for n, st, r in plan.reports
+                    ]
+            elif reason is not None:
                 work = {f: _Plan() for f in work}
                 for scope, call in backwards:
                     work[scope.module].reports.append((call, Status.NOT_APPLICABLE, reason))
@@ -500,6 +521,8 @@ def _device_type(facts: ModuleFacts, scope, backward: cst.Call, group: list[cst.
         if order[step] > order[backward] and facts.function_of(step) is home:
             if any(isinstance(n, cst.Call) for n in _walk(recv)):
                 return None  # evaluating it again could have side effects
+            if unbound(facts, group[0], facts.code(recv)):
+                return None  # (an optimizer made on one path only: torch's device is the guess then)
             return f'{facts.code(recv)}.param_groups[0]["params"][0].device.type'
     return None
 

@@ -173,9 +173,11 @@ def _baseline_reason(o: SearchOutcome) -> str:
     if not ok:
         return f"the baseline wins: none of the {len(tried)} configurations tried finished and passed the loss gate"
     if o.plan is not None and o.plan.done and changed_text(o.plan.incumbent, o.space.baseline()) == "baseline":
+        untried = (f"; {o.plan.untried} knob change(s) the time left did not cover were not tried (a larger "
+                   "--time-budget tries them)") if o.plan.untried else ""
         return (
             "the baseline wins: the descent found no knob change faster than the noise (ties re-measured in A/B "
-            "pairs), so no candidate was confirmed"
+            f"pairs), so no candidate was confirmed{untried}"
         )
     faster = [r for r in ok if r.role == ROLE_SEARCH and o.speedups.get(r.number, 0.0) > 1.0]
     if faster:  # a study reported before any worker got to its confirmation

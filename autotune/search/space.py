@@ -183,7 +183,8 @@ def build_space(script_knobs: Iterable[Knob], device: str, wanted: SpaceFile) ->
             left_out[knob.name] = f"does not apply on {device}"
             continue
         if knob.name in wanted.choices:
-            listed = wanted.choices[knob.name]
+            # (a script's knob may offer fewer choices than the knob declares: autocast without fp16)
+            listed = tuple(c for c in wanted.choices[knob.name] if has(knob.choices, c))
         elif wanted.others == "all":
             listed = knob.choices
         else:
