@@ -992,9 +992,15 @@ class Search:
             f"combines knob changes that measured slower, or no faster, wherever they were tried{spare}"
         )
 
+    def _nothing_to_confirm(self) -> bool:
+        """Whether the descent stands at the baseline: its steps, ties re-measured in pairs, found nothing faster
+        (a single fast run it did not keep is no candidate)."""
+        plan = self.plan
+        return plan is not None and self.program(plan.incumbent) == self.program(self.space.baseline())
+
     def _out_of_time(self, untried: str = "") -> str:
         said = f" ({untried})" if untried else ""
-        if self.candidates():
+        if self.candidates() and not self._nothing_to_confirm():
             return f"time budget reached{said}: the rest is set aside for confirmation"
         return (
             f"time budget reached{said}: the last {max(self._time_left(), 0):.0f}s were kept to confirm a candidate, "
@@ -1064,8 +1070,7 @@ class Search:
 
     def _confirm(self) -> list[Confirmation]:
         out = []
-        plan = self.plan
-        if plan is not None and plan.done and self.program(plan.incumbent) == self.program(self.space.baseline()):
+        if self._nothing_to_confirm():
             return out  # the descent, ties re-measured in pairs, found nothing faster: nothing to confirm
         ranked = self.candidates()[:MAX_CANDIDATES]
         for k, (config, search_speedup) in enumerate(ranked):
