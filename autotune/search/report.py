@@ -172,7 +172,7 @@ def _baseline_reason(o: SearchOutcome) -> str:
     ok = [r for r in tried if r.status is Outcome.OK]
     if not ok:
         return f"the baseline wins: none of the {len(tried)} configurations tried finished and passed the loss gate"
-    if o.plan is not None and changed_text(o.plan.incumbent, o.space.baseline()) == "baseline":
+    if o.plan is not None and o.plan.done and changed_text(o.plan.incumbent, o.space.baseline()) == "baseline":
         untried = (f"; {o.plan.untried} knob change(s) the time left did not cover were not tried (a larger "
                    "--time-budget tries them)") if o.plan.untried else ""
         return (
