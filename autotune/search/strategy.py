@@ -236,6 +236,7 @@ class StrongStart:
                              _speed(view.observed(incumbent))))
         blamed_values = {(b.knob, _text(b.value)) for b in blamed}
         blamed_values |= {(b.knob, _text(v)) for b in blamed if b.every_value for v in self.space.choices[b.knob]}
+        blamed_values |= self._idle(view)
         unaffordable: set[str] = set()  # descent steps the time left did not cover (said once each in the path)
         said: set[str] = set()  # ties a duel decided for the incumbent (said once each)
 
@@ -351,6 +352,7 @@ class StrongStart:
                         gains[key] = max(gains.get(key, 0.0), sx / sy)
         failed = {(b.knob, _text(b.value)) for b in blamed}
         failed |= {(b.knob, _text(v)) for b in blamed if b.every_value for v in self.space.choices[b.knob][1:]}
+        failed |= self._idle(view)
         failed |= {(n, _text(v)) for n, v in self.expensive}
         bar = best * (1.0 + view.threshold())
         names = [k.name for k in self.space.knobs]
@@ -376,6 +378,11 @@ class StrongStart:
                 scored.append((estimate, config))
         scored.sort(key=lambda item: -item[0])
         return [config for _, config in scored]
+
+    def _idle(self, view: View) -> set[tuple[str, str]]:
+        """The other values of knobs whose code never ran in some run: this script's run never takes their path."""
+        names = {n for _, o in view.measured() for n in o.unreached}
+        return {(n, _text(v)) for n in names for v in self.space.choices[n][1:]}
 
     def _with(self, names: Sequence[str]) -> dict[str, Any]:
         """The baseline with the start's values of ``names``."""
