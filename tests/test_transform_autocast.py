@@ -314,9 +314,11 @@ def test_where_fp16_scaling_has_no_safe_place_bf16_alone_is_offered(tmp_path):
     the optimizer may not exist there; bf16 needs no scaling, so it is offered, and fp16 is refused at run time."""
     result = _result("optimizer_on_one_path")
     (site,) = [s for s in result.sites if s.status is Status.APPLICABLE]
+    text = _case("optimizer_on_one_path").read_text()
+    clip = text[: text.index("torch.nn.utils.clip_grad_norm_")].count("\n") + 1
     assert site.reason.endswith(
-        "bf16 only: optimizer is not bound on every path to the clipping at optimizer_on_one_path.in.py:43, where fp16 "
-        "would unscale its gradients"
+        f"bf16 only: optimizer is not bound on every path to the clipping at {_case('optimizer_on_one_path')}:{clip}, "
+        "where fp16 would unscale its gradients"
     )
     (knob,) = result.knobs
     assert knob.choices == ("default", "bf16") and "fp16 not offered here" in knob.help
