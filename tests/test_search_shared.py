@@ -174,7 +174,10 @@ def mysql():
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(params=["postgresql", "mysql", "journal"])
+# Each storage runs one whole two-worker search, not two (CI time, issue 23.6): MariaDB and the journal file share a
+# study between two live workers; PostgreSQL loses one of them midway (below). Opening and reporting run on both
+# databases.
+@pytest.fixture(params=["mysql", "journal"])
 def shared(request, tmp_path):
     """(storage, the two workers' host names): on a database two machines; a journal file: two workers of one."""
     if request.param in ("postgresql", "mysql"):
@@ -272,8 +275,6 @@ def search_configs(ts) -> list[tuple]:
 
 def test_two_workers_share_one_study(tmp_path, shared):
     storage, hosts = shared
-    if storage.startswith("postgresql"):  # (the server trusts loopback: the password is never checked, only hidden)
-        storage += "?password=hunter2"
     workers = [start_worker(tmp_path, storage, "two", i, host) for i, host in enumerate(hosts)]
     logs = [finish(proc, log) for proc, _, log in workers]
 
@@ -309,9 +310,6 @@ def test_two_workers_share_one_study(tmp_path, shared):
             assert json.loads(t.user_attrs["claim"])[1] == f"{r['host']} ({r['device_name']})"
 
     report = autotune_report(tmp_path, storage, "two")
-    outs = [out for _, out, _ in workers] + [tmp_path / "report"]
-    written = [*logs, *((out / name).read_text() for out in outs for name in ("autotune.yaml", "report.md"))]
-    assert not [text for text in written if "hunter2" in text]
     rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|perturbed|search|confirm|duel) \|", line)]
     assert len(rows) == len(done)
     if hosts[0]:
@@ -343,8 +341,8 @@ def database(request):
     return request.getfixturevalue("postgres" if request.param == "postgresql" else "mysql")
 
 
-def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, database):
-    storage = database
+def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, postgres):
+    storage = postgres + "?password=hunter2"  # (the server trusts loopback: the password is never checked, only hidden)
     (alpha, _, alpha_log), (beta, _, _) = [start_worker(tmp_path, storage, "kill", i, h) for i, h in enumerate(("alpha", "beta"))]
     try:
         deadline = time.monotonic() + 300
@@ -395,6 +393,11 @@ def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, data
     # start configuration; a step of the descent only while it is one from where the descent stands
     assert all(t.number > victim.number and t.user_attrs["worker"].startswith("alpha:") for t in again)
     assert len(again) == 1 if victim.params == START else len(again) <= 1
+    # the storage's password is in no log, output or report
+    autotune_report(tmp_path, storage, "kill")
+    written = [alpha_log.read_text(), (tmp_path / "worker-1.log").read_text()]
+    written += [(d / name).read_text() for d in (tmp_path / "out-0", tmp_path / "report") for name in ("autotune.yaml", "report.md")]
+    assert not [text for text in written if "hunter2" in text]
 
 
 # --- opening a study's database ------------------------------------------------------------------------------
