@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             for budget in args.budgets:
                 got = run_search(name, cases[name], args.root, args.out, budget)
                 results.append(got)
+                (args.out / "search.json").write_text(json.dumps(results, indent=2))  # kept as each search ends
                 print(f"{name} @ {budget}s: {got['winner']} {got['changed']} {got['speedup']}x in {got['wall_s']}s "
                       f"({100 * got['used']:.0f}% of the budget), load {got['load']}; stopped: {got['stopped']}",
                       flush=True)
