@@ -193,32 +193,26 @@ class StrongStart:
                         reason = "its code never ran in this script's run (the path it changes was not taken)"
                         blamed.append(Blame(name, self.start[name], reason, every_value=True))
                         path.append(Step("blame", f"left out {name}: {reason}"))
-                    current = view.canonical(self._with(changed))
-                    if view.same(current, base):
-                        break
-                    got = view.observed(current)
-                    if got is None:
-                        why = "the start configuration without " + ", ".join(f"{b.knob}={_text(b.value)}" for b in blamed)
-                        return stop(Proposal(current, "start", why), base)
-                    path.append(Step("start", f"start without them: {label(current, self.space)}", current, _speed(got)))
-                    continue
-                lo, hi, failure = 0, len(changed), got  # prefix lo passes (the baseline does), prefix hi fails
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    trial = view.canonical(self._with(changed[:mid]))
-                    seen = view.observed(trial)
-                    if seen is None:
-                        why = f"blame: bisecting {len(changed)} knobs, the first {mid} on"
-                        return stop(Proposal(trial, "blame", why), base)
-                    if seen.ok:
-                        lo = mid
-                    else:
-                        hi, failure = mid, seen
-                culprit = changed.pop(hi - 1)
-                value = self.start[culprit]
-                reason = _failure_text(failure)
-                blamed.append(Blame(culprit, value, reason))
-                path.append(Step("blame", f"blamed {culprit}={_text(value)}: {reason}"))
+                    what = "start without them"
+                else:
+                    lo, hi, failure = 0, len(changed), got  # prefix lo passes (the baseline does), prefix hi fails
+                    while hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        trial = view.canonical(self._with(changed[:mid]))
+                        seen = view.observed(trial)
+                        if seen is None:
+                            why = f"blame: bisecting {len(changed)} knobs, the first {mid} on"
+                            return stop(Proposal(trial, "blame", why), base)
+                        if seen.ok:
+                            lo = mid
+                        else:
+                            hi, failure = mid, seen
+                    culprit = changed.pop(hi - 1)
+                    value = self.start[culprit]
+                    reason = _failure_text(failure)
+                    blamed.append(Blame(culprit, value, reason))
+                    path.append(Step("blame", f"blamed {culprit}={_text(value)}: {reason}"))
+                    what = "start without the blamed knobs"
                 current = view.canonical(self._with(changed))
                 if view.same(current, base):
                     break
@@ -226,8 +220,7 @@ class StrongStart:
                 if got is None:
                     why = "the start configuration without " + ", ".join(f"{b.knob}={_text(b.value)}" for b in blamed)
                     return stop(Proposal(current, "start", why), base)
-                path.append(Step("start", f"start without the blamed knobs: {label(current, self.space)}", current,
-                                 _speed(got)))
+                path.append(Step("start", f"{what}: {label(current, self.space)}", current, _speed(got)))
         # the descent starts from the start configuration (blamed knobs dropped) even where it is slower than the
         # baseline: taking knobs out of it one at a time keeps the ones that only pay together (bf16 with SDPA)
         incumbent = current if _ok(view, current) else base
