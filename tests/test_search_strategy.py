@@ -663,3 +663,55 @@ def test_a_budget_the_first_run_alone_exceeds_names_the_budget_not_the_timeout(t
     assert message.startswith("--time-budget 1s ran out before the first baseline run finished")
     assert "--timeout" not in message and "give --time-budget at least 14 times one run's time" in message
     assert [role for _, role, _ in runner.runs] == ["baseline"]
+
+
+# --- the confirmation's verdict (issue 19.3) -------------------------------------------------------------------
+
+
+def _pairs(*pairs):
+    """{(pair, arm): TrialResult} from (baseline step time, candidate step time or an Outcome) per pair."""
+    from autotune.search.trial import Outcome, TrialResult
+
+    def run(arm, step):
+        if isinstance(step, Outcome):
+            return TrialResult(config={}, role="confirm", status=step, error=str(step), wall_s=1.0)
+        return TrialResult(config={}, role="confirm", status=Outcome.OK, step_times=(step,) * 4, losses=((1.0,),) * 4,
+                           steps_done=4, wall_s=1.0)
+
+    got = {}
+    for j, (base, cand) in enumerate(pairs):
+        got[(j, "baseline")] = run("baseline", base)
+        got[(j, "candidate")] = run("candidate", cand)
+    return got
+
+
+def test_a_timed_out_confirmation_pair_is_unmeasured_never_evidence_against(tmp_path, monkeypatch):
+    from autotune.search.trial import Outcome
+
+    search, _, _ = fake_search(tmp_path, monkeypatch)
+    # faster in the 3 pairs that ran; 2 pairs lost to a timeout: not shown faster, and no evidence against it
+    got = _pairs((1.0, 0.5), (1.0, 0.5), (1.0, Outcome.TIMEOUT), (1.0, 0.5), (Outcome.TIMEOUT, 0.5))
+    c = search._verdict({}, got, "the time budget ran out during confirmation", None, "m")
+    assert not c.accepted and not c.evidence
+    assert c.reason.startswith("not shown faster: the time budget ran out during confirmation (3 of the 5 pairs")
+    assert "2 pair(s) not measured (a run timed out: no evidence either way)" in c.reason
+    assert "not reproducible" not in c.reason
+    # a candidate run that crashed is evidence: it does not reproduce
+    crashed = search._verdict({}, _pairs(*[(1.0, 0.5)] * 4, (1.0, Outcome.CRASH)), None, None, "m")
+    assert not crashed.accepted and crashed.evidence and crashed.reason.startswith("not reproducible")
+
+
+@pytest.mark.parametrize(
+    "candidate, starts",
+    [
+        ((0.5, 0.5, 0.5, 0.5, 0.5), "faster in 5 of 5 A/B pairs"),  # accepted: no verdict word before it
+        ((2.0, 2.0, 2.0, 2.0, 2.0), "slower (94% interval 0.500x to 0.500x)"),
+        ((0.5, 2.0, 0.5, 2.0, 0.5), "not shown faster (94% interval 0.500x to 2.000x holds 1.0)"),
+        ((0.999, 0.999, 0.999, 0.999, 0.999), "faster by too little to keep (a median of 1.001x"),
+    ],
+)
+def test_the_verdict_word_follows_the_interval(candidate, starts, tmp_path, monkeypatch):
+    search, _, _ = fake_search(tmp_path, monkeypatch)
+    c = search._verdict({}, _pairs(*[(1.0, s) for s in candidate]), None, None, "m")
+    assert c.reason.startswith(starts), c.reason
+    assert c.accepted == (starts == "faster in 5 of 5 A/B pairs")
