@@ -629,3 +629,16 @@ def test_the_perturbed_baseline_runs_on_one_thread_fewer_or_two_where_runs_get_o
     assert thread_counts({"OMP_NUM_THREADS": "many"}, False) == (base, base - 1 if base > 1 else 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert thread_counts({}, False) == (3, 2)
+
+
+def test_thread_counts_a_run_gets_anyway_or_that_oversubscribe_the_cores_are_not_searched():
+    from autotune.search.space import SearchSpace, fit_threads
+    from autotune.transforms.threads import Threads
+
+    (knob,) = Threads.knobs
+    space = SearchSpace("cpu", (knob,), {knob.name: ("default", 1, 2, 4)})
+    assert fit_threads(space, 2, 2).choices[knob.name] == ("default", 1)  # 2 is what a run gets: the baseline again
+    assert fit_threads(space, 4, 8).choices[knob.name] == ("default", 1, 2)
+    assert fit_threads(space, 1, 16).choices[knob.name] == ("default", 2, 4)
+    alone = fit_threads(SearchSpace("cpu", (knob,), {knob.name: ("default", 1)}), 1, 1)
+    assert not alone.knobs and "fits its 1 core" in alone.left_out[knob.name]

@@ -36,7 +36,15 @@ from autotune.search.budget import (
 from autotune.search.gate import Noise, judge, measure_noise
 from autotune.search.live import QuietDisplay
 from autotune.search.machine import Machine, cpu_has_bf16, this_machine
-from autotune.search.space import SearchSpace, SpaceFile, build_space, config_key, read_space, restore_space
+from autotune.search.space import (
+    SearchSpace,
+    SpaceFile,
+    build_space,
+    config_key,
+    fit_threads,
+    read_space,
+    restore_space,
+)
 from autotune.search.strategy import Observation, Plan, StrongStart, label, median_interval, sign_test
 from autotune.search.study import (
     ROLE_BASELINE,
@@ -315,6 +323,8 @@ class Search:
         else:
             wanted = read_space(self.device, options.space)
             self.space = build_space(self.patch.knobs, self.device, wanted)
+            if self.device == "cpu" and options.space is None:  # (a space file of the user's is taken as written)
+                self.space = fit_threads(self.space, thread_counts(options.env, bool(self.launcher))[0], os.cpu_count() or 1)
             start, expensive = start_of(self.device, wanted, options.space is not None)
         self.strategy = StrongStart(self.space, start, expensive)
         self.out = check_out_dir(options.out, self.project, (REPORT_NAME, PLOT_NAME))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -197,6 +197,29 @@ def build_space(script_knobs: Iterable[Knob], device: str, wanted: SpaceFile) ->
         knobs.append(knob)
         choices[knob.name] = picked
     return SearchSpace(device, tuple(knobs), choices, left_out)
+
+
+THREADS = "threads.intra_op"
+
+
+def fit_threads(space: SearchSpace, default: int, cores: int) -> SearchSpace:
+    """The bundled CPU space lists thread counts for any machine. On this one, the count a run gets anyway (its
+    default: OMP_NUM_THREADS or the cores) would measure the baseline again, and a count above the cores only
+    oversubscribes them: both are left out (a 2-core machine searches default and 1)."""
+    if THREADS not in space.choices:
+        return space
+    kept = tuple(c for c in space.choices[THREADS] if c == "default" or (c != default and c <= cores))
+    if kept == space.choices[THREADS]:
+        return space
+    if len(kept) > 1:
+        return replace(space, choices={**space.choices, THREADS: kept})
+    why = f"no thread count other than this machine's {default} fits its {cores} core(s)"
+    return replace(
+        space,
+        knobs=tuple(k for k in space.knobs if k.name != THREADS),
+        choices={n: c for n, c in space.choices.items() if n != THREADS},
+        left_out={**space.left_out, THREADS: why},
+    )
 
 
 def restore_space(
