@@ -714,7 +714,7 @@ def test_a_timed_out_confirmation_pair_is_unmeasured_never_evidence_against(tmp_
     c = search._verdict({}, got, "the time budget ran out during confirmation", None, "m")
     assert not c.accepted and not c.evidence
     assert c.reason.startswith("not shown faster: the time budget ran out during confirmation (3 of the 5 pairs")
-    assert "2 pair(s) not measured (a run timed out: no evidence either way)" in c.reason
+    assert "2 pair(s) not measured (a run timed out or the budget cut it: no evidence either way)" in c.reason
     assert "not reproducible" not in c.reason
     # a candidate run that crashed is evidence: it does not reproduce
     crashed = search._verdict({}, _pairs(*[(1.0, 0.5)] * 4, (1.0, Outcome.CRASH)), None, None, "m")

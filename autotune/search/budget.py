@@ -38,6 +38,10 @@ def check_pairs(confirm: int) -> None:
         )
 
 
+RUN_MARGIN = 1.25  # a run is started only where the time left covers this many times its expected time;
+# the confirmation's time is set aside with the same margin
+
+
 @dataclass(frozen=True)
 class RunCost:
     """What one run of the script costs: a fixed start-up (process, imports, data) and a time per step."""
@@ -68,6 +72,12 @@ class Least:
     def describe(self) -> str:
         return f"{self.baselines + 1} baseline runs, 1 candidate and {self.pairs} A/B pairs"
 
+    def seconds(self, run_s: float, room: int = 0) -> float:
+        """Its time at ``run_s`` a run, with ``room`` more candidates: the candidates and the pairs with the margin
+        the search starts them with (it starts one only where the time left covers it and the pairs, margins
+        included)."""
+        return (self.baselines + RUN_MARGIN * (1 + room + 2 * self.pairs)) * run_s
+
 
 @dataclass(frozen=True)
 class Fit:
@@ -86,14 +96,14 @@ def fit(left_s: float, spent_s: float, budget: float, cost: RunCost, warmup: int
     lengths = _lengths(warmup, steps)
     for room in (ROOM, 0):
         for w, n in lengths:
-            if (least.runs + room) * cost.of(w, n) <= left:
+            if least.seconds(cost.of(w, n), room) <= left:
                 if (w, n) == (warmup, steps):
                     return Fit(w, n)
                 why = "to fit the time budget" + ("" if room else ", which leaves room for the start configuration only")
                 return Fit(w, n, f"runs shortened from {warmup} + {steps} to {w} + {n} steps {why}")
     w, n = lengths[-1]
     shortest = cost.of(w, n)
-    need = spent_s + least.runs * shortest + OUTPUT_S
+    need = spent_s + least.seconds(shortest) + OUTPUT_S
     smallest = math.ceil(need / (1 + SLACK) / 10) * 10
     raise BudgetTooSmall(
         f"--time-budget {budget:.0f}s is too small for this script: a run takes about {cost.of(warmup, steps):.0f}s "

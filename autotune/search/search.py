@@ -25,6 +25,7 @@ from autotune.search.budget import (
     ALPHA,
     MIN_PAIRS,
     OUTPUT_S,
+    RUN_MARGIN,
     SLACK,
     BudgetTooSmall,
     Least,
@@ -71,7 +72,6 @@ MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first,
 MIN_GAIN = 0.01  # and its median speedup is above 1 + this
 MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
 NOISY = 0.25  # baseline runs whose step times differ by more than this (relative) make a verdict unreliable
-RUN_MARGIN = 1.25  # a run is started only where the time left covers this many times its expected time
 MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
 MAX_MARGIN = 0.5
 DEFAULT_BUDGET_S = 900.0  # when neither --trials nor --time-budget is given
@@ -641,12 +641,13 @@ class Search:
         return base + compile_s
 
     def _reserve(self, config: Mapping[str, Any] | None = None) -> float:
-        """The time set aside for confirming ``config`` (or the best candidate so far): --confirm A/B pairs."""
+        """The time set aside for confirming ``config`` (or the best candidate so far): --confirm A/B pairs, with the
+        margin a single run gets (runs vary: makemore's fifth pair was cut by the budget with four of four faster)."""
         if config is None:
             ranked = self.candidates()
             config = ranked[0][0] if ranked else None
         cost = self._cost(config) if config is not None else self._estimate()
-        return self.o.confirm * (self._estimate() + cost)
+        return RUN_MARGIN * self.o.confirm * (self._estimate() + cost)
 
     def _time_left(self) -> float:
         return self.deadline - self.clock()
@@ -1177,7 +1178,7 @@ class Search:
                     ratios.append(self._speed(c) / self._speed(b))
                 elif b.status in UNMEASURED or c.status in UNMEASURED:
                     lost += 1
-        missing = f"; {lost} pair(s) not measured (a run timed out: no evidence either way)" if lost else ""
+        missing = f"; {lost} pair(s) not measured (a run timed out or the budget cut it: no evidence either way)" if lost else ""
         if evidence:
             bad = evidence[0]
             accepted, reason = False, f"not reproducible: a confirmation run ended {bad.status} ({bad.error}){missing}"
