@@ -208,7 +208,7 @@ def test_search_killed_midway_resumes_keeping_every_finished_trial(tmp_path):
     # machine that ends with a win: interrupting it on the way costs little and checks the resume as well)
     logs = (tmp_path / "run1.log").read_text() + (tmp_path / "run2.log").read_text() + run.stdout
     assert re.search(r"perturbed \(\d+ threads?\) +baseline +ok", logs), logs
-    _outputs_of_a_won_search(out, doc, "r", tmp_path)
+    _outputs_of_a_won_search(out, doc, "r")
     stored = len(trials(out, "r"))
     again = autotune(cmd, tmp_path)  # the same command again: resumes, every configuration already measured
     assert again.returncode == 0, again.stderr
@@ -216,7 +216,7 @@ def test_search_killed_midway_resumes_keeping_every_finished_trial(tmp_path):
     assert len(trials(out, "r")) == stored
 
 
-def _outputs_of_a_won_search(out: Path, doc: dict, name: str, tmp_path: Path) -> None:
+def _outputs_of_a_won_search(out: Path, doc: dict, name: str) -> None:
     for f in ("loader.py", "autotune.yaml", "tuned.diff", "report.md", "throughput.png", "study.db"):
         assert (out / f).is_file(), f
     assert not (out / ".work").exists() and not (out / ".autotune.lock").exists()
