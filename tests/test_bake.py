@@ -16,7 +16,6 @@ from autotune.errors import UsageError
 from autotune.patch import run, select, write_outputs
 from autotune.transform import Mode
 from autotune.search.space import read_space
-from loss_probe import run_probe
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "fixtures" / "scripts"
@@ -121,39 +120,6 @@ def test_bake_refuses_to_write_over_the_script(tmp_path, capsys):
     assert script.read_text() == TINY.read_text()
     with pytest.raises(UsageError):
         read_config(tmp_path / "missing.yaml")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "script, args",
-    [
-        (SCRIPTS / "cnn.py", ["--num-samples", "96", "--batch-size", "16"]),
-        (SCRIPTS / "char_gpt.py", []),
-        (SCRIPTS / "pkg_project" / "train.py", []),
-        (TINY, ["--iters", "8"]),
-    ],
-    ids=["cnn", "char_gpt", "pkg_project", "tiny"],
-)
-def test_baked_script_trains_exactly_like_the_patched_one(script, args, tmp_path):
-    project = load_project(script)
-    config = _non_default_config(script)
-    patched = run(project, select())
-    write_outputs(patched, tmp_path / "patched", script.name)
-    baked = bake(project, config, "cpu")
-    for f in baked.files:
-        dest = tmp_path / "baked" / f.rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(f.new_text)
-    knobs = tmp_path / "config.yaml"
-    knobs.write_text(yaml.safe_dump({"device": "cpu", "knobs": config}))
-    entry = patched.files[0].rel
-    gated = run_probe(
-        tmp_path / "patched" / entry, args, steps=6, out=tmp_path / "p.json",
-        env={**PROBE_ENV, "AUTOTUNE_CONFIG": str(knobs)}, cwd=tmp_path, timeout=300,
-    )
-    plain = run_probe(tmp_path / "baked" / entry, args, steps=6, out=tmp_path / "b.json", env=PROBE_ENV, cwd=tmp_path, timeout=300)
-    assert len(gated) == 6
-    assert plain == gated, config
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

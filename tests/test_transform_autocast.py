@@ -12,7 +12,7 @@ import pytest
 import yaml
 from loss_probe import run_probe
 
-from autotune import runtime
+from autotune import runtime, runtime_helpers
 from autotune.analysis import load_project
 from autotune.knobs import Numerics
 from autotune.patch import run, select
@@ -144,8 +144,8 @@ def knob_value(tmp_path, monkeypatch):
         monkeypatch.setenv("AUTOTUNE_CONFIG", str(config))
         runtime.reset()
 
-    monkeypatch.setattr(runtime, "_scaler_obj", None)
-    monkeypatch.setattr(runtime, "_update_pending", False)
+    monkeypatch.setattr(runtime_helpers, "_scaler_obj", None)
+    monkeypatch.setattr(runtime_helpers, "_update_pending", False)
     yield set_value
     runtime.reset()
 
@@ -160,7 +160,7 @@ def test_runtime_default_changes_nothing(knob_value):
     assert runtime.scaler_enabled(True) is True and runtime.scaler_enabled(False) is False
     with runtime.autocast():
         assert not torch.is_autocast_enabled("cpu")
-    assert runtime._scaler_obj is None  # no GradScaler is ever built by default
+    assert runtime_helpers._scaler_obj is None  # no GradScaler is ever built by default
 
 
 @pytest.mark.parametrize("value, dtype_name", [("bf16", "bfloat16"), ("fp16", "float16")])
@@ -203,11 +203,11 @@ def test_runtime_fp16_steps_several_optimizers_with_one_scale(knob_value):
     runtime.optimizer_step(opt_b)
     assert a.item() == 1.0  # skipped: inf gradient
     assert b.item() == 0.0  # 1.0 - lr * (65536 / 65536)
-    assert runtime._scaler().get_scale() == 65536.0
+    assert runtime_helpers._scaler().get_scale() == 65536.0
     opt_a.zero_grad()
     opt_b.zero_grad()
     runtime.scale(b.sum()).backward()
-    assert runtime._scaler().get_scale() == 32768.0  # the update came with the next scale()
+    assert runtime_helpers._scaler().get_scale() == 32768.0  # the update came with the next scale()
     assert b.grad.item() == 32768.0
 
 

@@ -3,6 +3,8 @@ value the environment or the script already has; only where a process group can 
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import autotune.runtime as runtime
 from autotune.analysis import load_project
 from autotune.knobs import Numerics
 from autotune.patch import run, select, write_outputs
-from autotune.transforms.nccl_env import NcclEnv, env_value
+from autotune.transforms.nccl_env import NcclEnv
 
 T = "nccl_env"
 REPO = Path(__file__).resolve().parent.parent
@@ -82,12 +84,22 @@ def test_knobs():
     assert NcclEnv.entry_only and NcclEnv.devices == {"cuda"}
 
 
-def test_transform_and_runtime_agree_on_values():
-    for knob in NcclEnv.knobs:
-        setting = knob.name.split(".", 1)[1]
-        for choice in knob.choices:
-            if choice != "default":
-                assert env_value(setting, choice) == runtime.nccl_env_value(setting, choice)
+@pytest.mark.parametrize(
+    "name, choice", [(k.name, c) for k in NcclEnv.knobs for c in k.choices if c != "default"], ids=str
+)
+def test_the_patched_script_sets_what_the_baked_one_writes(name, choice, monkeypatch, tmp_path):
+    text = baked(T, "nccl_literal", {name: choice}, device="cuda")
+    written = dict(re.findall(r'os\.environ\.setdefault\("(NCCL_\w+)", "([^"]*)"\)', text))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"knobs": {name: choice}}))
+    monkeypatch.setenv("AUTOTUNE_CONFIG", str(path))
+    for var in VARS:
+        monkeypatch.delenv(var, raising=False)
+    runtime.reset()
+    runtime.nccl_env()
+    assert len(written) == 1
+    assert {var: os.environ[var] for var in VARS if var in os.environ} == written
+    runtime.reset()
 
 
 def test_runtime_never_overrides(monkeypatch, tmp_path):
@@ -100,8 +112,6 @@ def test_runtime_never_overrides(monkeypatch, tmp_path):
     monkeypatch.setenv("NCCL_MIN_NCHANNELS", "2")  # the launcher's environment wins
     runtime.reset()
     runtime.nccl_env(script_sets=("NCCL_BUFFSIZE",))  # so does the script
-    import os
-
     assert os.environ["NCCL_ALGO"] == "ring,tree;allreduce:tree"
     assert os.environ["NCCL_MIN_NCHANNELS"] == "2"
     assert "NCCL_BUFFSIZE" not in os.environ

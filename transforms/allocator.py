@@ -59,13 +59,7 @@ class Allocator(Transform):
         if not self.mode.value(self.knobs[0]):
             return
         var = _free_name(facts, "_alloc_conf")
-        code = [
-            f'{var} = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))\n',
-            f'if "expandable_segments" not in {var}:\n'
-            f'    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [{var}, "expandable_segments:True"]))'
-            "\n",
-        ]
-        lines = [stmt(c) for c in code]
+        lines = [stmt(c) for c in allocator_statements(var)]
         lines[0] = lines[0].with_changes(
             leading_lines=[
                 cst.EmptyLine(),
@@ -159,3 +153,27 @@ def _free_name(facts: ModuleFacts, name: str) -> str:
     while name in facts.names:
         name += "_"
     return name
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+import os
+
+from autotune.knob_values import knob
+
+
+def allocator_statements(var: str = "current") -> list[str]:
+    """The statements that add ``expandable_segments:True`` to the allocator settings, ``var`` holding the ones in
+    use: the baked script's, run by the patched one. torch reads PYTORCH_CUDA_ALLOC_CONF in place of
+    PYTORCH_ALLOC_CONF when both are set: the setting is merged with the one in use."""
+    return [
+        f'{var} = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))\n',
+        f'if "expandable_segments" not in {var}:\n'
+        f'    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [{var}, "expandable_segments:True"]))\n',
+    ]
+
+
+def allocator_env() -> None:
+    """Add ``expandable_segments:True`` to PYTORCH_CUDA_ALLOC_CONF; must run before torch initialises CUDA."""
+    if knob("allocator.expandable_segments"):
+        exec("".join(allocator_statements()), {"os": os})  # the very statements a baked script runs

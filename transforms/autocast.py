@@ -667,3 +667,89 @@ def _torch_name(facts: ModuleFacts, edits: Edits, baking: bool) -> str:
     return "torch"
 
 
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+import contextlib
+from autotune.knob_values import _fail, device_type, knob
+
+
+_scaler_obj = None
+_update_pending = False  # an optimizer stepped through the scaler since its last update()
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def autocast(bf16_only: bool = False):
+    """The autocast region autotune injected around forward and loss; a null context by default.
+
+    ``bf16_only``: the script has no place where fp16's gradient scaling could go (an optimizer not bound on every
+    path to a clipping), so fp16 is refused rather than run unscaled.
+    """
+    dtype = knob("autocast.dtype")
+    if dtype == "default":
+        return contextlib.nullcontext()
+    if bf16_only and dtype != "bf16":
+        _fail(f"autocast.dtype={dtype} is not offered for this script (bf16 only: fp16's gradient scaling has no "
+              "safe place here; see autotune scan)")
+    import torch
+
+    return torch.autocast(device_type=device_type(), dtype=_dtype(dtype))
+
+
+def autocast_dtype(script_dtype):
+    """The dtype of an autocast region the script already had: its own by default, else the knob's."""
+    dtype = knob("autocast.dtype")
+    return script_dtype if dtype == "default" else _dtype(dtype)
+
+
+def scaler_enabled(script_enabled: bool = True) -> bool:
+    """Whether the script's own GradScaler stays on: off under bf16, which needs no loss scaling."""
+    dtype = knob("autocast.dtype")
+    return bool(script_enabled) and dtype != "bf16"
+
+
+def _scaler():
+    global _scaler_obj
+    if _scaler_obj is None:
+        import torch
+
+        _scaler_obj = torch.amp.GradScaler(device_type())
+    return _scaler_obj
+
+
+def _fp16_injected() -> bool:
+    return knob("autocast.dtype") == "fp16"
+
+
+def scale(loss):
+    """``loss`` scaled by autotune's GradScaler under fp16; ``loss`` itself otherwise."""
+    global _update_pending
+    if not _fp16_injected():
+        return loss
+    scaler = _scaler()
+    if _update_pending:
+        # one update() after all the optimizer steps that followed the previous backward (several optimizers
+        # stepped on one loss must be unscaled with the same scale)
+        scaler.update()
+        _update_pending = False
+    return scaler.scale(loss)
+
+
+def unscale_(optimizer) -> None:
+    """Unscale gradients before clipping, under fp16 only."""
+    if _fp16_injected():
+        _scaler().unscale_(optimizer)
+
+
+def optimizer_step(optimizer, *args, **kwargs):
+    """``optimizer.step()``, through autotune's GradScaler under fp16 (its update() comes with the next scale())."""
+    global _update_pending
+    if not _fp16_injected():
+        return optimizer.step(*args, **kwargs)
+    result = _scaler().step(optimizer, *args, **kwargs)
+    _update_pending = True
+    return result

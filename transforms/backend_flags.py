@@ -24,7 +24,6 @@ ASSIGNED = {
 CALLED = {"torch.set_float32_matmul_precision": ("tf32", "matmul_precision")}
 # literal values that turn the faster mode on (PRESENT); any other value is the user's choice (USER)
 FASTER = {"True", "high", "medium", "tf32", "bf16"}
-FLAGS = ("tf32", "matmul_precision", "cudnn_benchmark")
 
 
 class BackendFlags(Transform):
@@ -88,19 +87,9 @@ class BackendFlags(Transform):
             args = f"script_sets=({', '.join(map(_quoted, skip))}{',' if len(skip) == 1 else ''})" if skip else ""
             code = [f"{edits.runtime('backend_flags')}({args})"]
         else:
-            torch = _torch_name(facts, edits)
-            code = []
-            for setting in missing:
-                value = self.mode.value(self.knob(setting))
-                if value == self.knob(setting).default:
-                    continue
-                if setting == "tf32":
-                    code.append(f"{torch}.backends.cuda.matmul.allow_tf32 = True")
-                    code.append(f"{torch}.backends.cudnn.allow_tf32 = True")
-                elif setting == "matmul_precision":
-                    code.append(f'{torch}.set_float32_matmul_precision("{value}")')
-                else:
-                    code.append(f"{torch}.backends.cudnn.benchmark = True")
+            values = {setting: self.mode.value(self.knob(setting)) for setting in missing}
+            code = flag_statements(values, _torch_name(facts, edits)) if any(
+                v != self.knob(s).default for s, v in values.items()) else []
         if code:
             lines = [stmt(c + "\n") for c in code]
             lines[0] = lines[0].with_changes(leading_lines=[cst.EmptyLine()])
@@ -154,3 +143,41 @@ def _torch_name(facts: ModuleFacts, edits: Edits) -> str:
             return alias
     edits.require_import("torch")
     return "torch"
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from typing import Any
+
+from autotune.knob_values import default, knob
+
+FLAGS = ("tf32", "matmul_precision", "cudnn_benchmark")
+
+
+def flag_statements(values: dict[str, Any], torch: str = "torch") -> list[str]:
+    """The statements that set ``values`` (flag -> choice), one per line: what the baked script holds, and what
+    the patched script executes. A flag at its default sets nothing."""
+    code = []
+    for flag, value in values.items():
+        if value == default(f"backend_flags.{flag}"):
+            continue
+        if flag == "tf32":
+            code += [f"{torch}.backends.cuda.matmul.allow_tf32 = True", f"{torch}.backends.cudnn.allow_tf32 = True"]
+        elif flag == "matmul_precision":
+            code.append(f'{torch}.set_float32_matmul_precision("{value}")')
+        else:
+            code.append(f"{torch}.backends.cudnn.benchmark = True")
+    return code
+
+
+def backend_flags(script_sets: tuple[str, ...] = ()) -> None:
+    """Set the TF32, matmul-precision and cuDNN flags the knobs ask for; touch nothing by default.
+
+    ``script_sets`` names the flags the script sets itself ("tf32", "matmul_precision", "cudnn_benchmark"):
+    those stay as the script wrote them, whatever the config says.
+    """
+    code = flag_statements({flag: knob(f"backend_flags.{flag}") for flag in FLAGS if flag not in script_sets})
+    if code:
+        import torch
+
+        exec("\n".join(code), {"torch": torch})  # the very statements a baked script runs

@@ -397,3 +397,22 @@ def _returns(fn: cst.FunctionDef) -> list[cst.Return]:
         stack.extend(node.children)
     return out
 
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from autotune.knob_values import knob, took_effect
+
+
+def channels_last(obj):
+    """A module or 4-D tensor in channels_last memory format when the knob is on; anything else unchanged."""
+    if not knob("channels_last.enabled", record=False):
+        return obj
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        if any(p.dim() == 4 for p in obj.parameters()):  # a model without 4-D weights stays as it was
+            took_effect("channels_last.enabled")
+        return obj.to(memory_format=torch.channels_last)
+    if isinstance(obj, torch.Tensor) and obj.dim() == 4:
+        return obj.contiguous(memory_format=torch.channels_last)
+    return obj

@@ -435,3 +435,65 @@ def _elem(stack: Stack) -> str:
 def _short(facts: ModuleFacts, node: cst.CSTNode, limit: int = 40) -> str:
     code = " ".join(facts.code(node).split())
     return code if len(code) <= limit else code[: limit - 3] + "..."
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from typing import Any
+from autotune.knob_values import knob
+
+
+_CHECKPOINT_EVERY = {"none": 0, "all": 1, "every_2nd": 2}
+
+
+def _checkpoint_every() -> int:
+    return _CHECKPOINT_EVERY[knob("checkpointing.blocks")]
+
+
+class _Checkpointed:
+    """A block that runs under activation checkpointing while training with gradients, and plainly otherwise."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Any) -> None:
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.block.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+        return self.block(*args, **kwargs)
+
+
+def checkpoint_blocks(blocks: Any) -> Any:
+    """The blocks a loop runs: themselves by default, else every (or every other) one checkpointed."""
+    every = _checkpoint_every()
+    if not every:
+        return blocks
+    return [_Checkpointed(b) if i % every == 0 else b for i, b in enumerate(blocks)]
+
+
+def checkpoint_sequential(seq: Any, x: Any) -> Any:
+    """``seq(x)`` for an nn.Sequential of blocks, its blocks checkpointed as ``checkpoint_blocks`` does."""
+    every = _checkpoint_every()
+    if not every:
+        return seq(x)
+    for i, block in enumerate(seq):
+        x = _Checkpointed(block)(x) if i % every == 0 else block(x)
+    return x
+
+
+def checkpoint_switch(model: Any, method: str) -> None:
+    """Call the model library's own activation-checkpointing switch ``method`` when the knob is on."""
+    if not knob("checkpointing.framework"):
+        return
+    if method == "gradient_checkpointing_enable":
+        try:  # non-reentrant, as autotune checkpoints blocks itself
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        except TypeError:  # transformers before 4.35 takes no arguments
+            model.gradient_checkpointing_enable()
+    else:
+        getattr(model, method)(True)

@@ -17,7 +17,6 @@ from ._model import ClassRef, block_paths, model_class, scope_of, training, uniq
 # with this), so the loss gate could never accept compile on a model with dropout
 EAGER_RNG_COMMENT = "# dropout masks drawn as without compile: same losses"
 MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,3 +219,99 @@ class Compile(Transform):
             return [stmt(f"for {var} in {target.code}.{path}:\n    {var}.compile({args})\n") for path in target.blocks]
         return [stmt(f"{target.code}.compile({args})\n")]
 
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+import time
+from typing import Any
+from autotune.knob_values import device_type, knob, took_effect
+
+
+# the modes that record CUDA graphs: each step must tell them it begins, in the baked script as in the patched one
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+_compile_spans: list[tuple[float, float]] = []
+_compile_began: float | None = None
+_compile_watched = False
+
+
+def _compile_kwargs() -> dict[str, Any]:
+    mode = knob("compile.mode", record=False)
+    kwargs: dict[str, Any] = {} if mode == "default" else {"mode": mode}
+    dynamic = knob("compile.dynamic")
+    if dynamic != "default":
+        kwargs["dynamic"] = bool(dynamic)
+    return kwargs
+
+
+def compile_model(model: Any, blocks: Any = ()) -> Any:
+    """Compile ``model`` in place as the knobs ask: nothing by default.
+
+    Module.compile() compiles in place, so ``model`` stays the same object and its state_dict keys never gain
+    the ``_orig_mod.`` prefix that ``model = torch.compile(model)`` adds. With ``compile.scope: blocks`` each
+    module of the containers at the attribute paths ``blocks`` (``["transformer.h"]``) is compiled instead;
+    without such containers the whole model is.
+    """
+    if knob("compile.mode", record=False) == "none" or getattr(model, "_autotune_compiled", False):
+        return model
+    import torch._inductor.config
+
+    inner = model
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        # the wrapped model is compiled: DDP runs it as it is; DataParallel runs it itself on one device, but
+        # its replicas on several would call the original's compiled forward on another device's inputs
+        if isinstance(model, torch.nn.DataParallel) and len(model.device_ids or ()) > 1:
+            return model
+        inner = model.module
+    kwargs = _compile_kwargs()
+    # eager's random numbers: inductor's own give other dropout masks, and the losses could not be compared
+    torch._inductor.config.fallback_random = True
+    _watch_compile_time()
+    targets: list[Any] = []
+    if knob("compile.scope", record=False) == "blocks":
+        for path in blocks:
+            targets.extend(inner.get_submodule(path))
+    for module in targets or [inner]:
+        module.compile(**kwargs)
+    took_effect("compile.mode", *(("compile.scope",) if targets else ()))
+    model._autotune_compiled = True  # a plain attribute: not a parameter, buffer or state_dict entry
+    return model
+
+
+def compile_step_begin() -> None:
+    """At the start of each training step: tell CUDA graphs a new step begins (modes that use them, on CUDA)."""
+    if knob("compile.mode") in CUDAGRAPH_MODES and device_type() == "cuda":
+        import torch
+
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def _watch_compile_time() -> None:
+    """Record the wall time torch spends compiling (tracing, lazy backward compilation, CUDA graph recording)."""
+    global _compile_watched
+    if _compile_watched:
+        return
+    _compile_watched = True
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover - a torch without compile callbacks: compile time stays unknown
+        return
+
+    def began(_args: Any) -> None:
+        global _compile_began
+        _compile_began = time.perf_counter()
+
+    def ended(_args: Any) -> None:
+        if _compile_began is not None:
+            _compile_spans.append((_compile_began, time.perf_counter()))
+
+    callback_handler.register_start_callback(began)
+    callback_handler.register_end_callback(ended)
+
+
+def compile_seconds(since: float | None = None) -> float | None:
+    """Seconds spent compiling (only the part after ``since``, a perf_counter time, when given); None when
+    nothing was compiled through ``compile_model``."""
+    if not _compile_watched:
+        return None
+    lower = float("-inf") if since is None else since
+    return sum(max(0.0, end - max(start, lower)) for start, end in _compile_spans)

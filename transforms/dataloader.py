@@ -290,3 +290,36 @@ def _dict_keys(facts: ModuleFacts, at: cst.CSTNode, value: cst.BaseExpression) -
         else:
             return None  # passed somewhere that may change it
     return keys if keys or assignments(facts, scope, name) else None
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from typing import Any
+from autotune.knob_values import default, knob, took_effect
+
+
+def dataloader_kwargs(**script: Any) -> dict[str, Any]:
+    """DataLoader keyword arguments: those the script wrote, plus the knobs' for the ones it left out.
+
+    Never returns ``prefetch_factor`` or ``persistent_workers=True`` with zero workers, which DataLoader rejects.
+    """
+    out = dict(script)
+    # a knob for a keyword the script wrote itself changes nothing: recorded only where it is used
+    workers = out.setdefault("num_workers", knob("dataloader.num_workers", record=False))
+    if workers and "num_workers" not in script:
+        took_effect("dataloader.num_workers")
+    pin = knob("dataloader.pin_memory", record=False)
+    if pin and "pin_memory" not in script:
+        out["pin_memory"] = True
+        took_effect("dataloader.pin_memory")
+    if workers:
+        if "persistent_workers" not in script and knob("dataloader.persistent_workers", record=False):
+            out["persistent_workers"] = True
+            took_effect("dataloader.persistent_workers")
+        prefetch = knob("dataloader.prefetch_factor", record=False)
+        if "prefetch_factor" not in script and prefetch != default("dataloader.prefetch_factor"):
+            out["prefetch_factor"] = prefetch
+            took_effect("dataloader.prefetch_factor")
+    if out["num_workers"] == 0 and "num_workers" not in script:
+        del out["num_workers"]  # leave DataLoader's own default in place, as the script did
+    return out

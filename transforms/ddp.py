@@ -88,3 +88,20 @@ class Ddp(Transform):
             ]
             if extra:
                 edits.rewrite(call, lambda node, extra=extra: add_args(node, *extra))
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from typing import Any
+from autotune.knob_values import default, knob
+
+
+def ddp_kwargs(**script: Any) -> dict[str, Any]:
+    """DistributedDataParallel keyword arguments: those the script wrote, plus the knobs' where they differ from
+    torch's defaults."""
+    out = dict(script)
+    for name in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"):  # each knob's default is torch's
+        value = knob(f"ddp.{name}")
+        if name not in script and value != default(f"ddp.{name}"):
+            out[name] = value
+    return out

@@ -11,7 +11,6 @@ SETTINGS = ("forward_prefetch", "backward_prefetch", "limit_all_gathers", "use_o
 # FullyShardedDataParallel(module, process_group, sharding_strategy, cpu_offload, auto_wrap_policy,
 # backward_prefetch, ...): from the sixth positional argument on, settings could be positional.
 _POSITIONAL_SETTINGS = 5
-_PREFETCH_MEMBER = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
 # The all-gathers and reduce-scatters are the same whatever these settings say; only their timing (and for
 # use_orig_params what the optimizer is handed) changes. Measured with gloo on 2 CPU ranks: identical losses.
 
@@ -89,13 +88,13 @@ class Fsdp(Transform):
             edits.rewrite(call, lambda node, names=names, helper=helper: move_into_helper(node, names, helper))
             return
         extra = []
-        for knob in self.knobs:
-            setting = knob.name.split(".", 1)[1]
-            value = self.mode.value(knob)
-            if setting not in free or value == knob.default:
+        for declared in self.knobs:
+            setting = declared.name.split(".", 1)[1]
+            value = self.mode.value(declared)
+            if setting not in free or value == declared.default:
                 continue
             if setting == "backward_prefetch":
-                code = "None" if value == "none" else f"{self._prefetch_enum(facts, edits)}.{_PREFETCH_MEMBER[value]}"
+                code = "None" if value == "none" else f"{self._prefetch_enum(facts, edits)}.{PREFETCH_MEMBER[value]}"
                 extra.append(kwarg(setting, code))
             else:
                 extra.append(kwarg(setting, repr(value)))
@@ -138,3 +137,37 @@ class Fsdp(Transform):
         if facts.imports.get("torch") != "torch":
             edits.require_import("torch")
         return "torch.distributed.fsdp.BackwardPrefetch"
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from typing import Any
+from autotune.knob_values import default, knob
+
+
+# knob choice -> torch.distributed.fsdp.BackwardPrefetch member: what the baked script spells, and the patched uses
+PREFETCH_MEMBER = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
+
+
+def fsdp_kwargs(**script: Any) -> dict[str, Any]:
+    """FullyShardedDataParallel keyword arguments: the script's, plus the knobs' where they differ from torch's."""
+    out = dict(script)
+    for name in ("forward_prefetch", "backward_prefetch", "limit_all_gathers", "use_orig_params"):  # defaults: torch's
+        value = knob(f"fsdp.{name}")
+        if name in script or value == default(f"fsdp.{name}"):
+            continue
+        if name == "backward_prefetch":
+            from torch.distributed.fsdp import BackwardPrefetch
+
+            value = getattr(BackwardPrefetch, PREFETCH_MEMBER[value]) if value != "none" else None
+        out[name] = value
+    return out
+
+
+def fully_shard_kwargs(**script: Any) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments: the script's, plus ``reshard_after_forward`` when the knob sets one."""
+    out = dict(script)
+    value = knob("fsdp.reshard_after_forward")
+    if "reshard_after_forward" not in script and value != "default":
+        out["reshard_after_forward"] = value
+    return out

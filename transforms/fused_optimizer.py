@@ -55,3 +55,14 @@ class FusedOptimizer(Transform):
             else:
                 extra = kwarg(self.mode.value(self.knobs[0]), "True")
             edits.rewrite(call, lambda node, extra=extra: add_args(node, extra))
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from autotune.knob_values import knob
+
+
+def optimizer_impl() -> dict[str, bool]:
+    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}."""
+    impl = knob("fused_optimizer.impl")
+    return {} if impl == "default" else {impl: True}

@@ -186,3 +186,31 @@ def _binds(module: cst.Module, name: str) -> bool:
     binder = _Binder(name)
     module.visit(binder)
     return binder.found
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+import gc as _gc
+from autotune.knob_values import knob
+
+
+_gc_paused = False
+
+
+def gc_pause() -> None:
+    """Collect, freeze and disable the garbage collector before the loop, when the knob is on."""
+    global _gc_paused
+    if knob("gc.freeze") and not _gc_paused:
+        _gc.collect()
+        _gc.freeze()
+        _gc.disable()
+        _gc_paused = True
+
+
+def gc_resume() -> None:
+    """Undo ``gc_pause`` after the loop."""
+    global _gc_paused
+    if _gc_paused:
+        _gc.enable()
+        _gc.unfreeze()
+        _gc_paused = False

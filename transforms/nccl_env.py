@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
@@ -11,12 +9,6 @@ from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, stmt
 from autotune.transforms._dist import INIT_DEVICE_MESH, INIT_PROCESS_GROUP, backend_arg, calls_to, literal_string
 
-# knob setting -> environment variable; the values are autotune.runtime's nccl_env_value() (a test keeps them equal)
-VARIABLES = {"algo": "NCCL_ALGO", "min_nchannels": "NCCL_MIN_NCHANNELS", "buffsize_mb": "NCCL_BUFFSIZE"}
-# tree: all-reduce pinned to Tree, every other collective free to use Ring or Tree. A bare NCCL_ALGO=Tree leaves
-# broadcast and all-gather with no algorithm (NVIDIA/nccl#317); a bare "allreduce:tree" disables the others from
-# NCCL 2.31 on (vllm-project/vllm#58179).
-ALGO = {"ring": "Ring", "tree": "ring,tree;allreduce:tree"}
 _SETTERS = ("setdefault", "putenv", "update", "__setitem__")
 _CUDA = frozenset({"cuda"})
 # Every one of these changes how NCCL splits a buffer into ring or tree steps, hence the order in which each
@@ -87,10 +79,10 @@ class NcclEnv(Transform):
             edits.prelude(stmt(f"{edits.runtime('nccl_env')}({arg})\n"))
             return
         lines = []
-        for knob in self.knobs:
-            setting = knob.name.split(".", 1)[1]
-            value = self.mode.value(knob)
-            if setting in free and value != knob.default:
+        for declared in self.knobs:
+            setting = declared.name.split(".", 1)[1]
+            value = self.mode.value(declared)
+            if setting in free and value != declared.default:
                 lines.append(stmt(f'os.environ.setdefault("{VARIABLES[setting]}", "{env_value(setting, value)}")\n'))
         if not lines:
             return
@@ -170,13 +162,6 @@ def _where(project, module: ModuleFacts, call: cst.Call) -> str:
     return f"{module.code(call.func)}() ({place})"
 
 
-def env_value(setting: str, value) -> str:
-    """The environment value of a choice of ``nccl_env.<setting>``."""
-    if setting == "algo":
-        return ALGO[value]
-    return str(int(value) * 1024 * 1024) if setting == "buffsize_mb" else str(value)
-
-
 def _top_imports(facts: ModuleFacts):
     for s in facts.module.body:
         if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
@@ -216,3 +201,56 @@ def _stdlib(facts: ModuleFacts, small: cst.BaseSmallStatement) -> bool:
             return False  # a local module: it may import torch
         return facts.code(small.module).split(".")[0] in sys.stdlib_module_names
     return all(facts.code(a.name).split(".")[0] in sys.stdlib_module_names for a in small.names)  # type: ignore[union-attr]
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+import os
+import sys
+from typing import Any
+
+from autotune.knob_values import knob, on_reset, reports_applied
+
+# knob setting -> environment variable
+VARIABLES = {"algo": "NCCL_ALGO", "min_nchannels": "NCCL_MIN_NCHANNELS", "buffsize_mb": "NCCL_BUFFSIZE"}
+# tree: all-reduce pinned to Tree, every other collective free to use Ring or Tree. A bare NCCL_ALGO=Tree leaves
+# broadcast and all-gather with no algorithm (NVIDIA/nccl#317); a bare "allreduce:tree" disables the others from
+# NCCL 2.31 on (vllm-project/vllm#58179).
+ALGO = {"ring": "Ring", "tree": "ring,tree;allreduce:tree"}
+
+
+def env_value(setting: str, value: Any) -> str:
+    """The environment value for a choice of ``nccl_env.<setting>``: what the baked and the patched script set."""
+    if setting == "algo":
+        return ALGO[value]
+    return str(int(value) * 1024 * 1024) if setting == "buffsize_mb" else str(value)
+
+
+def nccl_env(script_sets: tuple[str, ...] = ()) -> None:
+    """Set the NCCL variables the knobs ask for, before any process group starts.
+
+    A variable already in the environment, or one the script sets itself (named in ``script_sets``), is left alone.
+    """
+    for setting, var in VARIABLES.items():
+        value = knob(f"nccl_env.{setting}", record=False)
+        if value == "default" or var in script_sets or var in os.environ:
+            continue
+        os.environ[var] = env_value(setting, value)
+        _nccl_set.append(f"nccl_env.{setting}")
+
+
+_nccl_set: list[str] = []  # the nccl_env knobs whose variable this process set: applied once NCCL runs
+
+
+def _nccl_running() -> bool:
+    """Whether this process has a process group on the NCCL backend (the variables only matter to one)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    try:
+        return bool(dist and dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower())
+    except (RuntimeError, ValueError):  # pragma: no cover - a group torn down meanwhile
+        return False
+
+
+reports_applied(lambda: list(_nccl_set) if _nccl_set and _nccl_running() else [])
+on_reset(_nccl_set.clear)

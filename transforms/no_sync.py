@@ -318,3 +318,18 @@ def _with(head: str, body: list[cst.BaseStatement]) -> cst.With:
     first = body[0]
     inner = [first.with_changes(leading_lines=[]), *body[1:]]
     return cst.With(items=[cst.WithItem(expr(head))], body=cst.IndentedBlock(body=inner), leading_lines=first.leading_lines)
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+import contextlib
+from autotune.knob_values import knob
+
+
+def no_sync(model, final_micro_step: bool):
+    """``model.no_sync()`` on an accumulation micro-step that does not step, when the knob is on; else a null
+    context. A model the script left unwrapped (no DDP in this run) has no ``no_sync`` and gets the null context."""
+    if final_micro_step or not knob("no_sync.enabled"):
+        return contextlib.nullcontext()
+    skip = getattr(model, "no_sync", None)
+    return skip() if skip is not None else contextlib.nullcontext()

@@ -157,3 +157,13 @@ def _branch_devices(facts: ModuleFacts, test: cst.BaseExpression) -> tuple[str |
         if isinstance(op, (cst.NotEqual, cst.IsNot)) or (isinstance(op, cst.NotIn) and isinstance(sides[0], cst.SimpleString)):
             return ("off", "cuda") if device == "cuda" else (None, "off")
     return None, None
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from autotune.knob_values import knob
+
+
+def non_blocking() -> bool:
+    """Whether host-to-device copies in the loop are asynchronous."""
+    return bool(knob("non_blocking.enabled"))

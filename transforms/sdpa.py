@@ -1006,3 +1006,12 @@ def _is_param(fn: cst.FunctionDef, name: str) -> bool:
     every = [*params.posonly_params, *params.params, *params.kwonly_params]
     return any(p.name.value == name for p in every)
 
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from autotune.knob_values import knob
+
+
+def sdpa_enabled() -> bool:
+    """Whether hand-written attention runs as F.scaled_dot_product_attention instead of the script's own code."""
+    return knob("sdpa.attention") == "sdpa"

@@ -51,5 +51,27 @@ class Threads(Transform):
             value = self.mode.value(self.knob("intra_op"))
             if value == "default":
                 return
-            code = f"{_torch_name(facts, edits)}.set_num_threads({value})"
+            code = thread_statement(value, _torch_name(facts, edits))
         edits.after_imports(stmt(code + "\n").with_changes(leading_lines=[cst.EmptyLine()]))
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from typing import Any
+
+from autotune.knob_values import knob
+
+
+def thread_statement(value: Any, torch: str = "torch") -> str:
+    """The statement that sets a thread count other than the default: the baked script's, run by the patched one."""
+    return f"{torch}.set_num_threads({int(value)})"
+
+
+def threads() -> None:
+    """Set the CPU threads torch's operators run on, as the knob asks; touch nothing by default."""
+    n = knob("threads.intra_op")
+    if n == "default":
+        return
+    import torch
+
+    exec(thread_statement(n), {"torch": torch})  # the very statement a baked script runs
