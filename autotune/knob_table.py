@@ -13,6 +13,15 @@ KNOBS = {knob.name: knob for knob in (
         compiles=False,
     ),
     Knob(
+        'anomaly.detect',
+        (True, False),
+        True,
+        Numerics.EXACT,
+        devices=frozenset({'cpu', 'cuda'}),
+        help="only where the script calls torch.autograd.set_detect_anomaly(True): each backward then checks every gradient for NaN and keeps every forward op's stack trace, a debugging aid that slows training; False switches it off (the same numbers, no NaN check)",
+        compiles=False,
+    ),
+    Knob(
         'autocast.dtype',
         ('default', 'bf16', 'fp16'),
         'default',

@@ -27,16 +27,30 @@ STEPS = 4
 
 # (fixture, its arguments, ranks, the knob prefixes it may cover: None for any). Compiling costs 10-60 s a run on
 # CPU: compile's choices are covered on the smallest script only, and the distributed fixtures cover only the knobs
-# of their wrappers.
-FIXTURES = (
+# of their wrappers. After these, every transform case whose .bake.yaml says it trains (``train: {args: [...]}``)
+# covers its own transform's knobs: a new transform brings its own training case, and nothing here changes.
+SCRIPT_FIXTURES = (
     (SCRIPTS / "cnn.py", ("--num-samples", "96", "--batch-size", "16"), 1, None),
     (SCRIPTS / "char_gpt.py", (), 1, None),
     (REPO / "fixtures" / "search" / "tiny.py", ("--iters", "8"), 1, ("compile.",)),
     (SCRIPTS / "ddp_accum.py", (), 2, ("ddp.", "no_sync.")),
     (SCRIPTS / "ddp_step.py", (), 2, ("ddp.",)),  # static_graph: left out where no_sync skips all-reduces
     (SCRIPTS / "fsdp_train.py", (), 2, ("fsdp.",)),
-    (REPO / "fixtures" / "transforms" / "fsdp" / "fully_shard.in.py", (), 2, ("fsdp.",)),
 )
+
+
+def _training_cases() -> tuple:
+    cases = []
+    for spec_path in sorted((REPO / "fixtures" / "transforms").glob("*/*.bake.yaml")):
+        train = (yaml.safe_load(spec_path.read_text()) or {}).get("train")
+        if train is not None:
+            script = spec_path.with_name(spec_path.name.replace(".bake.yaml", ".in.py"))
+            args, ranks = tuple(train.get("args", ())), int(train.get("ranks", 1))
+            cases.append((script, args, ranks, (spec_path.parent.name + ".",)))
+    return tuple(cases)
+
+
+FIXTURES = SCRIPT_FIXTURES + _training_cases()
 # Choices no CPU fixture can run, and why; every other choice of every knob is covered (a test checks it).
 NOT_ON_CPU = {
     ("checkpointing.framework", True): "needs transformers or timm, which the tests do not install",
@@ -64,12 +78,17 @@ def _plan() -> list[tuple[Path, tuple[str, ...], int, list[dict]]]:
             mine = [k for k in mine if not k.name.startswith("compile.")]
         covered.update(k.name for k in mine)
         choices = {k.name: _later_choices(k) for k in mine}
-        rounds = [{n: cs[i] for n, cs in choices.items() if i < len(cs)} for i in range(max(map(len, choices.values()), default=0))]
+        count = max(map(len, choices.values()), default=0)
+        rounds = [{n: cs[i] for n, cs in choices.items() if i < len(cs)} for i in range(count)]
         plan.append((script, args, ranks, rounds))
     return plan
 
 
 PLAN = _plan()
+
+
+def _id(script: Path) -> str:
+    return script.name.removesuffix(".in.py").removesuffix(".py")
 
 
 def test_every_choice_of_every_knob_is_covered():
@@ -103,7 +122,12 @@ def _config(path: Path, knobs: dict) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script, args, rounds, i",
-    [pytest.param(s, a, rounds, i, id=f"{s.stem}-{i}") for s, a, ranks, rounds in PLAN if ranks == 1 for i in range(len(rounds))],
+    [
+        pytest.param(s, a, rounds, i, id=f"{_id(s)}-{i}")
+        for s, a, ranks, rounds in PLAN
+        if ranks == 1
+        for i in range(len(rounds))
+    ],
 )
 def test_baked_trains_like_patched_at_every_choice(script, args, rounds, i, tmp_path):
     config = rounds[i]
@@ -120,7 +144,7 @@ def test_baked_trains_like_patched_at_every_choice(script, args, rounds, i, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script, rounds", [pytest.param(s, rounds, id=s.stem) for s, _, ranks, rounds in PLAN if ranks > 1]
+    "script, rounds", [pytest.param(s, rounds, id=_id(s)) for s, _, ranks, rounds in PLAN if ranks > 1]
 )
 def test_distributed_baked_trains_like_patched_at_every_choice(script, rounds, tmp_path):
     """One launch runs the patched script at every round's config; each baked round is a launch of its own."""
