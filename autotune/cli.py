@@ -173,7 +173,7 @@ def cmd_patch(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_bake(args: argparse.Namespace, console: Console) -> int:
     from autotune.bake import bake, check_out_dir, read_config, write_baked
-    from autotune.search.search import resolve_device
+    from autotune.search.identity import resolve_device
 
     project = load_project(Path(args.path))
     values, device = read_config(Path(args.config))

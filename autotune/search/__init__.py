@@ -4,10 +4,15 @@
 - ``trial``: one run of the patched script as a subprocess, and its typed ``TrialResult``
 - ``gate``: per-step losses against the baseline's, within a tolerance from the knobs' numerics classes
 - ``study``: the Optuna study in its storage (SQLite in the output folder by default)
+- ``budget``: what a run costs, the least search a budget must hold, run lengths that fit it
+- ``strategy``: the strong start, blame, coordinate descent, duels of ties, hope
+- ``options`` (what was asked), ``identity`` (device, fingerprint, threads), ``outcome`` (what was found): values
 - ``search``: the loop (baseline interleaved, enumeration or TPE, confirmation in A/B pairs)
 - ``report``: the baked script, autotune.yaml, tuned.diff, report.md and its plot; ``live``: progress display
 """
 
-from autotune.search.search import SearchOptions, SearchOutcome, run_search
+from autotune.search.options import SearchOptions
+from autotune.search.outcome import SearchOutcome
+from autotune.search.search import run_search
 
 __all__ = ["SearchOptions", "SearchOutcome", "run_search"]

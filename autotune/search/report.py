@@ -22,7 +22,7 @@ from autotune.patch import CONFIG_NAME
 from autotune.search.gate import LOWP_WINDOW, numerics_of
 from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
-from autotune.search.search import SearchOutcome, is_baseline_run, train_time
+from autotune.search.outcome import SearchOutcome, is_baseline_run, train_time
 from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_PERTURBED, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 

@@ -6,28 +6,26 @@ import hashlib
 import json
 import math
 import os
-import shlex
 import shutil
 import signal
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from autotune.analysis import RUNTIME_ALIAS, Project, load_project
-from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
+from autotune.analysis import RUNTIME_ALIAS, load_project
+from autotune.errors import NoTrainingLoop, UsageError
 from autotune.bake import bake, check_out_dir
 from autotune.files import PLOT_NAME, REPORT_NAME, claim_out_dir
-from autotune.patch import PatchResult, run, select
+from autotune.patch import run, select
 from autotune.search.budget import (
     ALPHA,
     MIN_PAIRS,
     OUTPUT_S,
     RUN_MARGIN,
     SLACK,
-    BudgetTooSmall,
     Least,
     check_pairs,
     first_run_too_long,
@@ -35,10 +33,20 @@ from autotune.search.budget import (
     run_cost,
 )
 from autotune.search.gate import Noise, judge, measure_noise
+from autotune.search.identity import fingerprint, resolve_device, thread_counts
 from autotune.search.live import QuietDisplay
+from autotune.search.options import DEFAULT_BUDGET_S, SearchFailed, SearchInterrupted, SearchOptions  # noqa: F401
+from autotune.search.outcome import (
+    Confirmation,
+    SearchOutcome,
+    is_baseline_run,
+    local_speedups,
+    noise_warning,
+    time_spread,
+    train_time,
+)
 from autotune.search.machine import Machine, cpu_has_bf16, this_machine
 from autotune.search.space import (
-    SearchSpace,
     SpaceFile,
     build_space,
     config_key,
@@ -74,7 +82,6 @@ MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this m
 NOISY = 0.25  # baseline runs whose step times differ by more than this (relative) make a verdict unreliable
 MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
 MAX_MARGIN = 0.5
-DEFAULT_BUDGET_S = 900.0  # when neither --trials nor --time-budget is given
 COMPILE_GUESS_S = 60.0  # the compile time expected of a first compiling trial, before any was measured
 EXPENSIVE_FACTOR = 10.0  # an expensive choice (max-autotune) is expected to compile this many times longer
 EXPENSIVE_MIN_S = 300.0
@@ -83,177 +90,7 @@ UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)
 WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
 
 
-class SearchFailed(AutotuneError):
-    """The search could not run: the unmodified script itself fails as a trial."""
-
-    exit_code = 1
-
-
-class SearchInterrupted(AutotuneError):
-    """The user stopped the search; every finished trial is kept in the study."""
-
-    exit_code = 130
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """Everything ``autotune search`` was asked to do."""
-
-    script: Path
-    args: tuple[str, ...] = ()
-    out: Path = Path("autotune-out")
-    trials: int | None = None  # distinct configurations, the baseline included; None: no limit but the budget
-    time_budget: float | None = None  # seconds for the whole command; None with trials None: DEFAULT_BUDGET_S
-    steps: int = 20
-    warmup: int = 5
-    device: str = "auto"
-    storage: str | None = None
-    study_name: str | None = None
-    space: Path | None = None
-    rtol: float | None = None
-    timeout: float | None = None
-    confirm: int = 5
-    baseline_every: int = 4
-    seed: int = 0
-    env: Mapping[str, str | None] = field(default_factory=dict)  # extra environment for every trial
-    launcher: str | None = None  # a command that runs each trial as a distributed job ("torchrun --nproc_per_node=2")
-    train_steps: int | None = None  # the real run's length: the objective becomes time to train, compile included
-
-    @property
-    def budget(self) -> float | None:
-        """The time budget in force: the one given, or the default when no budget at all was given."""
-        if self.time_budget is None and self.trials is None:
-            return DEFAULT_BUDGET_S
-        return self.time_budget
-
-
-@dataclass(frozen=True)
-class Confirmation:
-    """A candidate re-measured against the baseline in interleaved A/B pairs."""
-
-    config: Mapping[str, Any]
-    ratios: tuple[float, ...]  # candidate throughput / baseline throughput, one per pair where both ran
-    accepted: bool
-    reason: str
-    baseline: tuple[TrialResult, ...] = ()
-    candidate: tuple[TrialResult, ...] = ()
-    search_speedup: float | None = None
-    machine: str = ""  # every pair ran on this machine
-    evidence: bool = False  # a candidate run failed (not a timeout): the candidate does not reproduce
-
-    @property
-    def speedup(self) -> float | None:
-        return statistics.median(self.ratios) if self.ratios else None
-
-    @property
-    def spread(self) -> tuple[float, float] | None:
-        return (min(self.ratios), max(self.ratios)) if self.ratios else None
-
-    @property
-    def wins(self) -> int:
-        return sum(r > 1.0 for r in self.ratios)
-
-    @property
-    def p_value(self) -> float:
-        """The sign test's one-sided p-value that the candidate is not faster (wins as often as not)."""
-        return sign_test(self.wins, len(self.ratios))
-
-    @property
-    def interval(self) -> tuple[float, float, float] | None:
-        """A distribution-free interval for the median speedup: (low, high, coverage)."""
-        return median_interval(self.ratios)
-
-    @property
-    def settled(self) -> bool:
-        """Whether the interval is clear of 1.0 (more pairs would not change the verdict's direction)."""
-        iv = self.interval
-        return iv is not None and (iv[0] > 1.0 or iv[1] < 1.0)
-
-
-@dataclass(frozen=True)
-class SearchOutcome:
-    """What a finished search found: every trial, the noise, the confirmations and the chosen configuration."""
-
-    options: SearchOptions
-    project: Project
-    patch: PatchResult
-    space: SearchSpace
-    device: str
-    results: tuple[TrialResult, ...]
-    reference: TrialResult
-    noise: Noise
-    confirmations: tuple[Confirmation, ...]
-    winner: Confirmation | None  # None: the baseline wins
-    stopped: str
-    wall_s: float
-    study_name: str
-    storage: str
-    mode: str  # "enumerated" or "sampled"
-    speedups: Mapping[int, float]  # trial number -> throughput relative to the same machine's baseline runs around it
-    machine: str = ""  # the machine whose baseline runs, noise and confirmation the summary reports
-    # True for ``autotune report``: wall_s is then the study's span, first trial start to last trial end
-    from_study: bool = False
-    plan: Plan | None = None  # the strategy's path: start, blames, accepted steps
-    interactions: tuple[str, ...] = ()  # what each knob of the chosen configuration is worth, alone and in it
-    startup: str | None = None  # the chosen configuration's extra start-up (compile) time and its break-even
-    labels: Mapping[int, str] = field(default_factory=dict)  # trial number -> the knobs that change its program
-    hidden: int = 0  # sampler proposals of configurations already measured, told the earlier result, not shown
-    reserved_s: float | None = None  # the time the search set aside for confirmation
-    warning: str | None = None  # the machine's timing noise makes the verdict unreliable: why, and what to do
-    lengths: tuple[int, int] | None = None  # warm-up and measured steps of the runs (fitted to the budget)
-    fit_note: str | None = None  # how fitting the budget shortened the runs
-    # runs of the study left out because a knob value stored with them is not one of its choices: trial -> values
-    foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
-
-    @property
-    def noisy(self) -> str | None:
-        """A plain warning when this machine's timing noise makes the verdict unreliable, else None."""
-        return self.warning
-
-    @property
-    def machines(self) -> tuple[str, ...]:
-        """Every machine that ran trials of the study, in order of its first trial."""
-        return tuple(dict.fromkeys(r.machine for r in self.results))
-
-    @property
-    def chosen(self) -> dict[str, Any]:
-        return dict(self.winner.config) if self.winner else self.space.baseline()
-
-
 # --- setting up ----------------------------------------------------------------------------------------------
-
-
-def resolve_device(device: str) -> str:
-    if device not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--device must be auto, cpu or cuda, not {device!r}")
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device here")
-    return device
-
-
-def fingerprint(patch: PatchResult, options: SearchOptions, device: str, space: SearchSpace) -> str:
-    """What makes measurements comparable: the patched code, the script's arguments, device, steps, space."""
-    h = hashlib.sha256()
-    for f in patch.files:
-        h.update(f.rel.as_posix().encode() + b"\0" + f.new_text.encode() + b"\0")
-    doc = {
-        "args": list(options.args),
-        "device": device,
-        "steps": options.steps,
-        "warmup": options.warmup,
-        "space": space.describe(),
-        "env": dict(sorted(options.env.items())),
-    }
-    if options.launcher:  # (only then, so that studies made before launchers existed still resume)
-        doc["launcher"] = shlex.split(options.launcher)
-    if options.train_steps:  # the objective: time to train this many steps, compile included
-        doc["train_steps"] = options.train_steps
-    h.update(json.dumps(doc, sort_keys=True, default=str).encode())
-    return h.hexdigest()
 
 
 class _Lock:
@@ -1278,14 +1115,6 @@ def _margin(baselines: list[TrialResult]) -> float:
     return min(max(2 * sd, MIN_MARGIN), MAX_MARGIN)
 
 
-def train_time(r: TrialResult, steps: int, warmup: int) -> float:
-    """Seconds ``r``'s configuration would take to train ``steps`` steps: its one-time start-up (the warm-up's time
-    beyond its steps: compilation, autotuning) plus ``steps`` steps at its measured speed."""
-    step = r.step_time or 0.0
-    startup = max((r.warmup_s or 0.0) - warmup * step, 0.0)
-    return startup + steps * step
-
-
 def start_of(device: str, wanted: SpaceFile, own: bool) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """The start configuration and the expensive choices: the space file's, then (for a --space file of the user's)
     the bundled file's for the knobs it does not name; bf16 autocast only where the CPU has native bf16."""
@@ -1302,75 +1131,6 @@ def start_of(device: str, wanted: SpaceFile, own: bool) -> tuple[dict[str, Any],
 def _claim(*parts: Any) -> str:
     """What a trial claims, as text: (search, program) or (confirm, machine, candidate, pair, arm)."""
     return json.dumps(list(parts))
-
-
-def is_baseline_run(r: TrialResult) -> bool:
-    """A run of the baseline: the search's own baseline runs and the baseline arms of confirmation pairs."""
-    return r.role == ROLE_BASELINE or (r.role == ROLE_CONFIRM and r.attrs.get("arm") == "baseline")
-
-
-def time_spread(runs: list[TrialResult]) -> float | None:
-    """(slowest - fastest) / median of the runs' step times; None for fewer than two."""
-    times = [r.step_time for r in runs if r.step_time]
-    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
-
-
-def noise_warning(spread: float, runs: list[TrialResult], threads: tuple[int, int] | None) -> str:
-    """What a noisy machine means for the verdict, with the load average the runs saw and its likely cause."""
-    loads = [r.load for r in runs if r.load is not None]
-    text = (
-        f"this machine's timing is noisy: {len(runs)} runs of the baseline differ by {100 * spread:.0f}% in step time, "
-        "so speedups below that are not reliable here"
-    )
-    if not loads:
-        return text + "; run the search on a quieter machine, or raise --confirm"
-    cores = os.cpu_count() or 1
-    own = threads[0] if threads else 1
-    low, high = min(loads), max(loads)
-    seen = f"{low:.1f}" if high - low < 0.05 else f"{low:.1f} to {high:.1f}"
-    if high > own + 0.5:
-        cause = (f"load average {seen} on {cores} cores while a run uses about {own}: other processes compete for "
-                 "the CPU; stop them, or raise --confirm")
-    else:
-        cause = (f"load average {seen} on {cores} cores: nothing much else runs, so the script's own timing varies "
-                 "(data loading, memory allocation, CPU frequency); raise --confirm, or --steps for longer runs")
-    return f"{text}; {cause}"
-
-
-def local_speedups(results) -> dict[int, float]:
-    """Each measured non-baseline trial's throughput over that of its machine's baseline runs just before and after."""
-    machines: dict[str, list[TrialResult]] = {}
-    for r in results:
-        machines.setdefault(r.machine, []).append(r)
-    out = {}
-    for order in machines.values():
-        base_pos = [i for i, r in enumerate(order) if is_baseline_run(r) and r.measured]
-        for i, r in enumerate(order):
-            if is_baseline_run(r) or r.role == ROLE_PERTURBED or not r.measured or r.number is None:
-                continue
-            before = [p for p in base_pos if p < i][-1:]
-            after = [p for p in base_pos if p > i][:1]
-            near = [order[p].step_time for p in before + after]
-            if near and r.step_time:
-                out[r.number] = statistics.mean(near) / r.step_time
-    return out
-
-
-def thread_counts(env: Mapping[str, str | None], launched: bool) -> tuple[int, int]:
-    """The CPU threads a run computes with, and the other count a perturbed baseline run gets."""
-    given = env["OMP_NUM_THREADS"] if "OMP_NUM_THREADS" in env else os.environ.get("OMP_NUM_THREADS")
-    try:
-        base = int(given or "")
-    except ValueError:
-        base = 0
-    if base < 1:
-        if launched:
-            base = 1  # torchrun's default for each process it starts
-        else:
-            import torch
-
-            base = torch.get_num_threads()  # what a new process gets here: its default is this one's
-    return base, base - 1 if base > 1 else 2
 
 
 def _raise_interrupt(signum, frame):  # SIGINT and SIGTERM end a search alike: trials stopped, study kept

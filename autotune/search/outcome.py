@@ -1,0 +1,171 @@
+"""What a finished search found: its confirmations and outcome, and the measures read off its runs (a value each)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.analysis import Project
+from autotune.patch import PatchResult
+from autotune.search.gate import Noise
+from autotune.search.options import SearchOptions
+from autotune.search.space import SearchSpace
+from autotune.search.strategy import Plan, median_interval, sign_test
+from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_PERTURBED
+from autotune.search.trial import TrialResult
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """A candidate re-measured against the baseline in interleaved A/B pairs."""
+
+    config: Mapping[str, Any]
+    ratios: tuple[float, ...]  # candidate throughput / baseline throughput, one per pair where both ran
+    accepted: bool
+    reason: str
+    baseline: tuple[TrialResult, ...] = ()
+    candidate: tuple[TrialResult, ...] = ()
+    search_speedup: float | None = None
+    machine: str = ""  # every pair ran on this machine
+    evidence: bool = False  # a candidate run failed (not a timeout): the candidate does not reproduce
+
+    @property
+    def speedup(self) -> float | None:
+        return statistics.median(self.ratios) if self.ratios else None
+
+    @property
+    def spread(self) -> tuple[float, float] | None:
+        return (min(self.ratios), max(self.ratios)) if self.ratios else None
+
+    @property
+    def wins(self) -> int:
+        return sum(r > 1.0 for r in self.ratios)
+
+    @property
+    def p_value(self) -> float:
+        """The sign test's one-sided p-value that the candidate is not faster (wins as often as not)."""
+        return sign_test(self.wins, len(self.ratios))
+
+    @property
+    def interval(self) -> tuple[float, float, float] | None:
+        """A distribution-free interval for the median speedup: (low, high, coverage)."""
+        return median_interval(self.ratios)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the interval is clear of 1.0 (more pairs would not change the verdict's direction)."""
+        iv = self.interval
+        return iv is not None and (iv[0] > 1.0 or iv[1] < 1.0)
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """What a finished search found: every trial, the noise, the confirmations and the chosen configuration."""
+
+    options: SearchOptions
+    project: Project
+    patch: PatchResult
+    space: SearchSpace
+    device: str
+    results: tuple[TrialResult, ...]
+    reference: TrialResult
+    noise: Noise
+    confirmations: tuple[Confirmation, ...]
+    winner: Confirmation | None  # None: the baseline wins
+    stopped: str
+    wall_s: float
+    study_name: str
+    storage: str
+    mode: str  # "enumerated" or "sampled"
+    speedups: Mapping[int, float]  # trial number -> throughput relative to the same machine's baseline runs around it
+    machine: str = ""  # the machine whose baseline runs, noise and confirmation the summary reports
+    # True for ``autotune report``: wall_s is then the study's span, first trial start to last trial end
+    from_study: bool = False
+    plan: Plan | None = None  # the strategy's path: start, blames, accepted steps
+    interactions: tuple[str, ...] = ()  # what each knob of the chosen configuration is worth, alone and in it
+    startup: str | None = None  # the chosen configuration's extra start-up (compile) time and its break-even
+    labels: Mapping[int, str] = field(default_factory=dict)  # trial number -> the knobs that change its program
+    hidden: int = 0  # sampler proposals of configurations already measured, told the earlier result, not shown
+    reserved_s: float | None = None  # the time the search set aside for confirmation
+    warning: str | None = None  # the machine's timing noise makes the verdict unreliable: why, and what to do
+    lengths: tuple[int, int] | None = None  # warm-up and measured steps of the runs (fitted to the budget)
+    fit_note: str | None = None  # how fitting the budget shortened the runs
+    # runs of the study left out because a knob value stored with them is not one of its choices: trial -> values
+    foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
+
+    @property
+    def noisy(self) -> str | None:
+        """A plain warning when this machine's timing noise makes the verdict unreliable, else None."""
+        return self.warning
+
+    @property
+    def machines(self) -> tuple[str, ...]:
+        """Every machine that ran trials of the study, in order of its first trial."""
+        return tuple(dict.fromkeys(r.machine for r in self.results))
+
+    @property
+    def chosen(self) -> dict[str, Any]:
+        return dict(self.winner.config) if self.winner else self.space.baseline()
+
+
+def is_baseline_run(r: TrialResult) -> bool:
+    """A run of the baseline: the search's own baseline runs and the baseline arms of confirmation pairs."""
+    return r.role == ROLE_BASELINE or (r.role == ROLE_CONFIRM and r.attrs.get("arm") == "baseline")
+
+
+def train_time(r: TrialResult, steps: int, warmup: int) -> float:
+    """Seconds ``r``'s configuration would take to train ``steps`` steps: its one-time start-up (the warm-up's time
+    beyond its steps: compilation, autotuning) plus ``steps`` steps at its measured speed."""
+    step = r.step_time or 0.0
+    startup = max((r.warmup_s or 0.0) - warmup * step, 0.0)
+    return startup + steps * step
+
+
+def time_spread(runs: list[TrialResult]) -> float | None:
+    """(slowest - fastest) / median of the runs' step times; None for fewer than two."""
+    times = [r.step_time for r in runs if r.step_time]
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
+
+
+def noise_warning(spread: float, runs: list[TrialResult], threads: tuple[int, int] | None) -> str:
+    """What a noisy machine means for the verdict, with the load average the runs saw and its likely cause."""
+    loads = [r.load for r in runs if r.load is not None]
+    text = (
+        f"this machine's timing is noisy: {len(runs)} runs of the baseline differ by {100 * spread:.0f}% in step time, "
+        "so speedups below that are not reliable here"
+    )
+    if not loads:
+        return text + "; run the search on a quieter machine, or raise --confirm"
+    cores = os.cpu_count() or 1
+    own = threads[0] if threads else 1
+    low, high = min(loads), max(loads)
+    seen = f"{low:.1f}" if high - low < 0.05 else f"{low:.1f} to {high:.1f}"
+    if high > own + 0.5:
+        cause = (f"load average {seen} on {cores} cores while a run uses about {own}: other processes compete for "
+                 "the CPU; stop them, or raise --confirm")
+    else:
+        cause = (f"load average {seen} on {cores} cores: nothing much else runs, so the script's own timing varies "
+                 "(data loading, memory allocation, CPU frequency); raise --confirm, or --steps for longer runs")
+    return f"{text}; {cause}"
+
+
+def local_speedups(results) -> dict[int, float]:
+    """Each measured non-baseline trial's throughput over that of its machine's baseline runs just before and after."""
+    machines: dict[str, list[TrialResult]] = {}
+    for r in results:
+        machines.setdefault(r.machine, []).append(r)
+    out = {}
+    for order in machines.values():
+        base_pos = [i for i, r in enumerate(order) if is_baseline_run(r) and r.measured]
+        for i, r in enumerate(order):
+            if is_baseline_run(r) or r.role == ROLE_PERTURBED or not r.measured or r.number is None:
+                continue
+            before = [p for p in base_pos if p < i][-1:]
+            after = [p for p in base_pos if p > i][:1]
+            near = [order[p].step_time for p in before + after]
+            if near and r.step_time:
+                out[r.number] = statistics.mean(near) / r.step_time
+    return out
