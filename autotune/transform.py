@@ -247,6 +247,22 @@ def keyword(call: cst.Call, name: str) -> cst.Arg | None:
     return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
 
 
+def positional_args(call: cst.Call) -> list[cst.Arg]:
+    """The arguments ``call`` passes by position, as written (no keyword, no ``*`` or ``**``)."""
+    return [a for a in call.args if a.keyword is None and not a.star]
+
+
+def positional(call: cst.Call) -> list[cst.BaseExpression]:
+    """The values ``call`` passes by position."""
+    return [a.value for a in positional_args(call)]
+
+
+def positional_arg(call: cst.Call, index: int) -> cst.Arg | None:
+    """The argument at position ``index``, or None where ``call`` passes fewer."""
+    args = positional_args(call)
+    return args[index] if index < len(args) else None
+
+
 def is_literal(node: cst.BaseExpression, value: Any) -> bool:
     """Whether ``node`` is the literal ``True``/``False``/``None`` or a number equal to ``value``."""
     if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):

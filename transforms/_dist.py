@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project
-from autotune.transform import Status
+from autotune.transform import Status, positional
 
 DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
 FSDP = {
@@ -33,10 +33,6 @@ def calls_to(facts: ModuleFacts, names: set[str]) -> list[cst.Call]:
 
 def short_name(facts: ModuleFacts, call: cst.Call) -> str:
     return (facts.qualname(call.func) or facts.code(call.func)).rsplit(".", 1)[-1]
-
-
-def positional(call: cst.Call) -> list[cst.Arg]:
-    return [a for a in call.args if a.keyword is None and not a.star]
 
 
 def runtime_splat(facts: ModuleFacts, call: cst.Call, helper: str) -> bool:
@@ -232,7 +228,7 @@ def backend_arg(call: cst.Call) -> cst.BaseExpression | None:
         if a.keyword is not None and a.keyword.value == "backend":
             return a.value
     args = positional(call)
-    return args[0].value if args else None
+    return args[0] if args else None
 
 
 def literal_string(node: cst.BaseExpression | None) -> str | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from autotune.analysis import ModuleFacts, Project
-from autotune.transform import fresh_name
+from autotune.transform import fresh_name, positional
 from autotune.transforms._sites import strip_module_chain
 
 # torch.nn modules that are a whole transformer block: worth checkpointing or compiling one at a time.
@@ -54,10 +54,6 @@ def int_value(node: cst.BaseExpression) -> int | None:
     if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus) and isinstance(node.expression, cst.Integer):
         return -int(node.expression.value)
     return None
-
-
-def positional(call: cst.Call) -> list[cst.BaseExpression]:
-    return [a.value for a in call.args if a.keyword is None and not a.star]
 
 
 def argument(call: cst.Call, index: int | None, name: str) -> cst.BaseExpression | None:

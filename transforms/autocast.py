@@ -9,7 +9,20 @@ import libcst as cst
 from autotune.analysis import ModuleFacts, Project, TrainingLoop, is_framework_backward
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, fresh_name, is_docstring, add_args, expr, is_literal, keyword, kwarg, stmt
+from autotune.transform import (
+    Edits,
+    Status,
+    Transform,
+    add_args,
+    expr,
+    fresh_name,
+    is_docstring,
+    is_literal,
+    keyword,
+    kwarg,
+    positional_arg,
+    stmt,
+)
 from autotune.transforms._model import assigned_names
 from autotune.transforms._sites import h2d_copy
 
@@ -145,8 +158,8 @@ class Autocast(Transform):
             baked = f"{torch}.{DTYPE_CODE[self._dtype()]}"
             new = lambda value: expr(baked)  # noqa: E731
         arg = keyword(call, "dtype")
-        if arg is None and _positional(call, 1) is not None:
-            arg = _positional(call, 1)
+        if arg is None and positional_arg(call, 1) is not None:
+            arg = positional_arg(call, 1)
         if arg is not None:
             code = facts.code(arg.value)
             edits.rewrite(arg, lambda node: node.with_changes(value=new(code)))
@@ -197,7 +210,7 @@ class Autocast(Transform):
         for facts, call in autocasts:
             plan, code = plans[facts], _short(facts, call)
             enabled = keyword(call, "enabled")
-            dtype = keyword(call, "dtype") or _positional(call, 1)
+            dtype = keyword(call, "dtype") or positional_arg(call, 1)
             if enabled is not None and is_literal(enabled.value, False):
                 plan.reports.append((call, Status.USER, f"{code}: an autocast-free region, kept as written"))
             elif self._settled:
@@ -390,13 +403,8 @@ def _short(facts: ModuleFacts, call: cst.Call) -> str:
     return f"{facts.code(call.func)}(...)"
 
 
-def _positional(call: cst.Call, index: int) -> cst.Arg | None:
-    positional = [a for a in call.args if a.keyword is None and not a.star]
-    return positional[index] if index < len(positional) else None
-
-
 def _dtype_qualname(facts: ModuleFacts, call: cst.Call) -> str | None:
-    dtype = keyword(call, "dtype") or _positional(call, 1)
+    dtype = keyword(call, "dtype") or positional_arg(call, 1)
     return facts.qualname(dtype.value) if dtype is not None else None
 
 
@@ -462,7 +470,7 @@ def _unwrap_scale(recv: cst.BaseExpression) -> tuple[cst.BaseExpression, bool]:
 
 def _scaler_enabled_arg(facts: ModuleFacts, call: cst.Call) -> cst.Arg | None:
     at = SCALER_ENABLED_AT.get(facts.qualname(call.func) or "", 5)
-    return keyword(call, "enabled") or _positional(call, at)
+    return keyword(call, "enabled") or positional_arg(call, at)
 
 
 def _is_copy(node: cst.BaseExpression) -> bool:

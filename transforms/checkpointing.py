@@ -8,7 +8,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, expr, stmt
+from autotune.transform import Edits, Status, Transform, expr, positional, stmt
 
 from ._model import (
     SEQUENTIAL,
@@ -21,7 +21,6 @@ from ._model import (
     is_block_class,
     is_name,
     names_read,
-    positional,
     unique_name,
 )
 

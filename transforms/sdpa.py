@@ -9,7 +9,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, expr
+from autotune.transform import Edits, Status, Transform, expr, positional
 
 from ._model import (
     ClassRef,
@@ -20,7 +20,6 @@ from ._model import (
     int_value,
     is_name,
     names_read,
-    positional,
     scope_of,
     self_attr,
 )
