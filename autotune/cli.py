@@ -239,7 +239,8 @@ def cmd_knobs(args: argparse.Namespace, console: Console) -> int:
 def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.live import SearchDisplay
     from autotune.search.report import print_summary, write_outputs
-    from autotune.search.search import SearchOptions, run_search
+    from autotune.search.options import SearchOptions
+    from autotune.search.search import run_search
     from autotune.search.study import storage_url
 
     path = Path(args.path)

@@ -58,8 +58,8 @@ from autotune.search.search import (  # noqa: E402
     MIN_TIMEOUT_S,
     TIMEOUT_FACTOR,
     local_speedups,
-    start_of,
 )
+from autotune.search.prepare import start_of  # noqa: E402
 from autotune.search.space import build_space, config_key, read_space  # noqa: E402
 from autotune.search.study import ROLE_BASELINE, ROLE_SEARCH  # noqa: E402
 from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings  # noqa: E402

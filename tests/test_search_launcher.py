@@ -23,7 +23,8 @@ from autotune.cli import main
 from autotune.patch import run, select, write_outputs
 from autotune.runtime import rank_info
 from autotune.search import trial as trial_module
-from autotune.search.search import SearchOptions, fingerprint
+from autotune.search.identity import fingerprint
+from autotune.search.options import SearchOptions
 from autotune.search.space import build_space, read_space
 from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, classify, merge_ranks
 

@@ -326,7 +326,7 @@ def fake_search(tmp_path, monkeypatch, **options):
 
 
 def test_search_finds_the_pair_that_only_pays_together_and_keeps_its_budget(tmp_path, monkeypatch):
-    monkeypatch.setattr("autotune.search.search.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
     search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=900.0)
     outcome = search.run()
     assert outcome.winner is not None, outcome.stopped
@@ -387,7 +387,7 @@ def test_a_budget_too_small_for_the_least_search_is_refused_after_one_run_naming
 
 
 def test_a_compile_that_would_overrun_the_budget_is_stopped_and_confirmation_still_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr("autotune.search.search.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
     FakeRunner.compile_s = 400.0  # the first compiling trial cannot finish inside the budget
     try:
         search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=300.0)
@@ -405,7 +405,7 @@ def test_a_compile_that_would_overrun_the_budget_is_stopped_and_confirmation_sti
 
 
 def test_the_default_budget_applies_when_neither_trials_nor_budget_is_given():
-    from autotune.search.search import DEFAULT_BUDGET_S, SearchOptions
+    from autotune.search.options import DEFAULT_BUDGET_S, SearchOptions
 
     assert SearchOptions(script=TINY).budget == DEFAULT_BUDGET_S
     assert SearchOptions(script=TINY, trials=8).budget is None
@@ -428,8 +428,9 @@ class ChaoticRunner(FakeRunner):
 
 @pytest.mark.parametrize("drift", [0.02, 0.0])
 def test_a_reordering_knob_is_held_to_how_far_a_thread_change_carries_the_losses(tmp_path, monkeypatch, drift):
-    monkeypatch.setattr("autotune.search.search.cpu_has_bf16", lambda: True)
-    monkeypatch.setattr("autotune.search.search.thread_counts", lambda env, launched: (2, 1))
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    for where in ("search", "prepare"):  # the run's threads, and the space fitted to them
+        monkeypatch.setattr(f"autotune.search.{where}.thread_counts", lambda env, launched: (2, 1))
     monkeypatch.setattr(ChaoticRunner, "perturbed_drift", drift)
     search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
     runner = ChaoticRunner(clock)
@@ -476,7 +477,7 @@ def test_on_a_gpu_whose_baseline_runs_differ_a_third_is_run_back_to_back(tmp_pat
     from autotune.search.live import QuietDisplay
     from autotune.search.search import Search, SearchOptions
 
-    monkeypatch.setattr("autotune.search.search.resolve_device", lambda device: "cuda")
+    monkeypatch.setattr("autotune.search.prepare.resolve_device", lambda device: "cuda")
     monkeypatch.setattr(DriftingGpuRunner, "drift", drift)
     monkeypatch.chdir(tmp_path)
     search = Search(SearchOptions(script=TINY, out=tmp_path / "out", steps=STEPS, warmup=1, device="cuda", trials=2),
@@ -535,7 +536,7 @@ class BlindRunner(FakeRunner):
 def test_runs_whose_losses_cannot_be_compared_are_unverified_not_diverged(tmp_path, monkeypatch):
     from autotune.search.trial import Outcome
 
-    monkeypatch.setattr("autotune.search.search.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
     search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
     search.runner_factory = lambda *a, **k: BlindRunner(clock)
     outcome = search.run()
@@ -635,7 +636,8 @@ class Notes:
 
 
 def test_noisy_baselines_are_said_at_once_with_the_load_average_and_the_likely_cause(tmp_path, monkeypatch):
-    monkeypatch.setattr("autotune.search.search.thread_counts", lambda env, launched: (2, 1))
+    for where in ("search", "prepare"):  # the run's threads, and the space fitted to them
+        monkeypatch.setattr(f"autotune.search.{where}.thread_counts", lambda env, launched: (2, 1))
     search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
     search.runner_factory = lambda *a, **k: NoisyRunner(clock)
     search.display = display = Notes()

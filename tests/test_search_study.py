@@ -14,7 +14,9 @@ from autotune.cli import main
 from autotune.errors import UsageError
 from autotune.search import study as study_mod
 from autotune.search.live import QuietDisplay
-from autotune.search.search import Search, SearchOptions, local_speedups
+from autotune.search.options import SearchOptions
+from autotune.search.outcome import local_speedups
+from autotune.search.search import Search
 from autotune.search.study import ROLE_SEARCH, ROLE_YIELDED, StudyStore, open_storage
 from autotune.search.trial import Outcome, TrialResult
 

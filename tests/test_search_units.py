@@ -12,7 +12,7 @@ from autotune.cli import main
 from autotune.errors import UsageError
 from autotune.knobs import Knob, Numerics
 from autotune.search.gate import NOISE_FACTOR, Noise, judge, measure_noise, step_deviations, tolerances
-from autotune.search.search import local_speedups
+from autotune.search.outcome import local_speedups
 from autotune.search.space import SpaceFile, build_space, bundled_space_text, config_key, parse_space, read_space
 from autotune.search.trial import Outcome, TrialResult, classify
 from autotune.transform import all_knobs
@@ -425,7 +425,7 @@ def test_trial_protocol_short_script(tmp_path):
 
 
 def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path):
-    from autotune.search.report import write_plot
+    from autotune.search.plot import write_plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
     plot, why = write_plot(None, tmp_path / "throughput.png")
@@ -436,7 +436,7 @@ def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path)
 def test_the_plot_compares_each_run_with_its_own_machines_baseline():
     from types import SimpleNamespace
 
-    from autotune.search.report import plot_data
+    from autotune.search.plot import plot_data
 
     def run(n, host, step, role="search", status=Outcome.OK):
         return TrialResult(config={}, role=role, status=status, step_times=(step,), number=n, host=host, device_name="cpu")
@@ -477,7 +477,7 @@ def _plotted_search(winner: bool = True):
     """A search as the report sees it: baselines at 10 steps/s, four configurations, one confirmed or not."""
     from types import SimpleNamespace
 
-    from autotune.search.search import Confirmation
+    from autotune.search.outcome import Confirmation
 
     defaults = {"gc.freeze": False, "autocast.dtype": "default", "fused_optimizer.impl": "default",
                 "dataloader.persistent_workers": False}
@@ -507,7 +507,7 @@ def _plotted_search(winner: bool = True):
 
 
 def test_the_plot_shows_each_configurations_speedup_with_its_pairs_and_the_winner():
-    from autotune.search.report import plot_data
+    from autotune.search.plot import plot_data
 
     rows = plot_data(_plotted_search()).rows
     # the winner, the others that trained the same by speedup, then the one whose losses differ, then failures
@@ -525,7 +525,7 @@ def test_the_plot_shows_each_configurations_speedup_with_its_pairs_and_the_winne
 
 
 def test_the_plots_axis_is_not_squashed_by_a_diverged_or_crawling_run():
-    from autotune.search.report import plot_data
+    from autotune.search.plot import plot_data
 
     lo, hi = plot_data(_plotted_search()).limits
     assert lo < 0.98 and 1.6 < hi  # 1x and every pair of the winner
@@ -533,7 +533,7 @@ def test_the_plots_axis_is_not_squashed_by_a_diverged_or_crawling_run():
 
 
 def test_the_plot_is_written(tmp_path):
-    from autotune.search.report import write_plot
+    from autotune.search.plot import write_plot
 
     for winner in (True, False):
         path, why = write_plot(_plotted_search(winner), tmp_path / f"plot{winner}.png")
@@ -592,7 +592,8 @@ def test_search_refuses_a_time_that_is_not_finite(field, value, tmp_path):
 def test_report_refuses_a_study_whose_space_was_edited_to_hold_code(tmp_path, capsys):
     # anyone who can write to a shared study's storage can edit what it says was searched
     from autotune.search.live import QuietDisplay
-    from autotune.search.search import Search, SearchOptions, fingerprint
+    from autotune.search.identity import fingerprint
+    from autotune.search.search import Search, SearchOptions
     from autotune.search.space import SearchSpace
     from autotune.search.study import STUDY_ABOUT, STUDY_FINGERPRINT, StudyStore, open_storage
 
@@ -619,7 +620,7 @@ def test_report_refuses_a_study_whose_space_was_edited_to_hold_code(tmp_path, ca
 def test_the_perturbed_baseline_runs_on_one_thread_fewer_or_two_where_runs_get_one(monkeypatch):
     import torch
 
-    from autotune.search.search import thread_counts
+    from autotune.search.identity import thread_counts
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert thread_counts({"OMP_NUM_THREADS": "4"}, False) == (4, 3)

@@ -8,7 +8,7 @@
 - ``strategy``: the strong start, blame, coordinate descent, duels of ties, hope
 - ``options`` (what was asked), ``identity`` (device, fingerprint, threads), ``outcome`` (what was found): values
 - ``search``: the loop (baseline interleaved, enumeration or TPE, confirmation in A/B pairs)
-- ``report``: the baked script, autotune.yaml, tuned.diff, report.md and its plot; ``live``: progress display
+- ``report``: the baked script, autotune.yaml, tuned.diff and report.md; ``plot``: throughput.png; ``live``: progress
 """
 
 from autotune.search.options import SearchOptions

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import signal
 import statistics
@@ -15,27 +14,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from autotune.analysis import RUNTIME_ALIAS, load_project
-from autotune.errors import NoTrainingLoop, UsageError
-from autotune.bake import bake, check_out_dir
-from autotune.files import PLOT_NAME, REPORT_NAME, claim_out_dir
-from autotune.patch import run, select
+from autotune.errors import UsageError
+from autotune.bake import bake
+from autotune.files import claim_out_dir
 from autotune.search.budget import (
-    ALPHA,
     MIN_PAIRS,
     OUTPUT_S,
     RUN_MARGIN,
     SLACK,
     Least,
-    check_pairs,
     first_run_too_long,
     fit,
     run_cost,
 )
 from autotune.search.gate import Noise, judge, measure_noise
-from autotune.search.identity import fingerprint, resolve_device, thread_counts
+from autotune.search.identity import thread_counts
 from autotune.search.live import QuietDisplay
-from autotune.search.options import DEFAULT_BUDGET_S, SearchFailed, SearchInterrupted, SearchOptions  # noqa: F401
+from autotune.search.options import SearchFailed, SearchInterrupted, SearchOptions
+from autotune.search.confirm import arms, verdict
+from autotune.search.prepare import prepare
 from autotune.search.outcome import (
     Confirmation,
     SearchOutcome,
@@ -45,16 +42,11 @@ from autotune.search.outcome import (
     time_spread,
     train_time,
 )
-from autotune.search.machine import Machine, cpu_has_bf16, this_machine
+from autotune.search.machine import Machine, this_machine
 from autotune.search.space import (
-    SpaceFile,
-    build_space,
     config_key,
-    fit_threads,
-    read_space,
-    restore_space,
 )
-from autotune.search.strategy import Observation, Plan, StrongStart, label, median_interval, sign_test
+from autotune.search.strategy import Observation, Plan, label
 from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CONFIRM,
@@ -64,7 +56,7 @@ from autotune.search.study import (
     StudyStore,
     open_storage,
 )
-from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, parse_launcher, unreached
+from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, unreached
 
 WORK_NAME = ".work"
 LOCK_NAME = ".autotune.lock"
@@ -77,7 +69,6 @@ COMPILE_MIN_TIMEOUT_S = 900.0
 MAX_HOPEFUL = 50  # hopeful configurations looked at (baked) for one not measured yet
 MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row before enumerating instead
 MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
-MIN_GAIN = 0.01  # and its median speedup is above 1 + this
 MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
 NOISY = 0.25  # baseline runs whose step times differ by more than this (relative) make a verdict unreliable
 MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
@@ -86,7 +77,6 @@ COMPILE_GUESS_S = 60.0  # the compile time expected of a first compiling trial, 
 EXPENSIVE_FACTOR = 10.0  # an expensive choice (max-autotune) is expected to compile this many times longer
 EXPENSIVE_MIN_S = 300.0
 # runs that measured nothing through no fault of the configuration: no evidence either way
-UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)
 WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
 
 
@@ -129,44 +119,10 @@ class Search:
     def __init__(self, options: SearchOptions, display, about: Mapping[str, Any] | None = None) -> None:
         self.o = options
         self.display = display
-        if options.warmup < 1 or options.steps < 2:
-            raise UsageError("--warmup must be at least 1 and --steps at least 2")
-        if options.trials is not None and options.trials < 1:
-            raise UsageError("--trials must be at least 1")
-        if options.train_steps is not None and options.train_steps < 1:
-            raise UsageError("--train-steps must be at least 1")
-        check_pairs(options.confirm)
-        if options.time_budget is not None and not (0 < options.time_budget < math.inf):  # nan fails too
-            raise UsageError("--time-budget must be a positive number of seconds")
-        if options.timeout is not None and not (0 < options.timeout < math.inf):
-            raise UsageError("--timeout must be a positive number of seconds")
-        if options.rtol is not None and not (0 <= options.rtol < 1):
-            raise UsageError("--rtol must be a relative tolerance in [0, 1)")
-        self.launcher = parse_launcher(options.launcher) if options.launcher is not None else ()
-        self.project = load_project(options.script)
-        if not self.project.loops:
-            raise NoTrainingLoop(
-                f"{options.script}: no training loop found (a loop that calls .backward() and an optimizer's .step()); "
-                "autotune search needs one to time training steps and compare losses"
-            )
-        self.device = str(about["device"]) if about else resolve_device(options.device)
-        self.patch = run(self.project, select())
-        hook = f"{RUNTIME_ALIAS}.step("
-        if not any(hook in f.new_text for f in self.patch.files):
-            raise NoTrainingLoop(f"{options.script}: autotune could not place its step hook in the training loop")
-        if about:
-            self.space = restore_space(self.patch.knobs, self.device, about["space"], about.get("left_out") or {})
-            start, expensive = dict(about.get("start") or {}), dict(about.get("expensive") or {})
-        else:
-            wanted = read_space(self.device, options.space)
-            self.space = build_space(self.patch.knobs, self.device, wanted)
-            if self.device == "cpu" and options.space is None:  # (a space file of the user's is taken as written)
-                self.space = fit_threads(self.space, thread_counts(options.env, bool(self.launcher))[0], os.cpu_count() or 1)
-            start, expensive = start_of(self.device, wanted, options.space is not None)
-        self.strategy = StrongStart(self.space, start, expensive)
-        self.out = check_out_dir(options.out, self.project, (REPORT_NAME, PLOT_NAME))
-        self.fingerprint = fingerprint(self.patch, options, self.device, self.space)
-        self.study_name = options.study_name or f"{options.script.stem}-{self.fingerprint[:12]}"
+        ready = prepare(options, about)
+        self.project, self.device, self.launcher, self.patch = ready.project, ready.device, ready.launcher, ready.patch
+        self.space, self.strategy, self.out = ready.space, ready.strategy, ready.out
+        self.fingerprint, self.study_name = ready.fingerprint, ready.study_name
         self.storage_desc = options.storage or str(self.out / DB_NAME)
         self.mode = "descent"
         self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
@@ -931,12 +887,7 @@ class Search:
         return out
 
     def _arms(self, key: str, machine: str) -> dict[tuple[int, str], TrialResult]:
-        """The confirmation runs of candidate ``key`` on ``machine``: (pair, arm) -> result."""
-        got = {}
-        for r in self.results:
-            if r.role == ROLE_CONFIRM and r.attrs.get("candidate") == key and r.machine == machine:
-                got[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
-        return got
+        return arms(self.results, key, machine)
 
     def _confirm_one(
         self, config: dict[str, Any], search_speedup: float, which: tuple[int, int] = (1, 1), must: bool = True
@@ -998,54 +949,7 @@ class Search:
         search_speedup: float | None,
         machine: str,
     ) -> Confirmation:
-        """Whether the A/B pairs ``got`` confirm ``config``: faster by the sign test (p <= ALPHA) and by more than
-        MIN_GAIN in the median. A pair with a run that timed out (or was interrupted) measured nothing: it counts
-        neither way. A candidate run that failed otherwise (a crash, a loss outside the gate) is evidence against."""
-        ratios, base_runs, cand_runs, evidence, lost = [], [], [], [], 0
-        for j in sorted({j for j, _ in got}):
-            b, c = got.get((j, "baseline")), got.get((j, "candidate"))
-            if c is not None:
-                cand_runs.append(c)
-                if c.status not in (Outcome.OK, *UNMEASURED):
-                    evidence.append(c)
-            if b is not None:
-                base_runs.append(b)
-            if b is not None and c is not None:
-                if b.measured and c.status is Outcome.OK:
-                    ratios.append(self._speed(c) / self._speed(b))
-                elif b.status in UNMEASURED or c.status in UNMEASURED:
-                    lost += 1
-        missing = f"; {lost} pair(s) not measured (a run timed out or the budget cut it: no evidence either way)" if lost else ""
-        if evidence:
-            bad = evidence[0]
-            accepted, reason = False, f"not reproducible: a confirmation run ended {bad.status} ({bad.error}){missing}"
-        elif len(ratios) < self.o.confirm:
-            why = stopped or "the search stopped"
-            accepted, reason = False, (
-                f"not shown faster: {why} ({len(ratios)} of the {self.o.confirm} pairs needed measured{missing})")
-        else:
-            median_ratio = statistics.median(ratios)
-            wins = sum(r > 1.0 for r in ratios)
-            p = sign_test(wins, len(ratios))
-            low, high, cover = median_interval(ratios)
-            accepted = p <= ALPHA and median_ratio > 1.0 + MIN_GAIN
-            if accepted:
-                word = ""
-            elif high < 1.0:
-                word = f"slower ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x)"
-            elif low > 1.0:
-                word = f"faster by too little to keep (a median of {median_ratio:.3f}x; it needs above {1 + MIN_GAIN:.2f}x)"
-            else:
-                word = f"not shown faster ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x holds 1.0)"
-            reason = (
-                (f"{word}: " if word else "") + f"faster in {wins} of {len(ratios)} A/B pairs (sign test p = {p:.3f}), median speedup "
-                f"{median_ratio:.3f}x, {100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x{missing}"
-                + (f"; {stopped}" if stopped and not accepted else "")
-            )
-        return Confirmation(
-            config, tuple(ratios), accepted, reason, tuple(base_runs), tuple(cand_runs), search_speedup, machine,
-            bool(evidence),
-        )
+        return verdict(config, got, stopped, search_speedup, machine, self.o.confirm, self._speed)
 
 
 class _View:
@@ -1113,19 +1017,6 @@ def _margin(baselines: list[TrialResult]) -> float:
         return MIN_MARGIN
     sd = statistics.stdev(math.log(x) for x in times)
     return min(max(2 * sd, MIN_MARGIN), MAX_MARGIN)
-
-
-def start_of(device: str, wanted: SpaceFile, own: bool) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
-    """The start configuration and the expensive choices: the space file's, then (for a --space file of the user's)
-    the bundled file's for the knobs it does not name; bf16 autocast only where the CPU has native bf16."""
-    start, expensive = dict(wanted.start), dict(wanted.expensive)
-    if own:
-        bundled = read_space(device)
-        start.update({k: v for k, v in bundled.start.items() if k not in start})
-        expensive.update({k: v for k, v in bundled.expensive.items() if k not in expensive})
-    if device == "cpu" and start.get("autocast.dtype") == "bf16" and not cpu_has_bf16():
-        del start["autocast.dtype"]
-    return start, expensive
 
 
 def _claim(*parts: Any) -> str:
