@@ -241,7 +241,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.report import print_summary, write_outputs
     from autotune.search.options import SearchOptions
     from autotune.search.search import run_search
-    from autotune.search.study import storage_url
+    from autotune.search.storage import storage_url
 
     path = Path(args.path)
     project = load_project(path)
@@ -273,7 +273,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.report import print_summary, write_outputs
     from autotune.search.search import report_from_study
-    from autotune.search.study import STORAGE_ENV, storage_url
+    from autotune.search.storage import STORAGE_ENV, storage_url
 
     script = Path(args.script) if args.script else None
     storage = storage_url(args.storage)

@@ -282,7 +282,8 @@ def _umask() -> int:
 def test_report_checks_its_output_folder_first(case, users_folder, tmp_path, capsys):
     from autotune.search.live import QuietDisplay
     from autotune.search.search import Search, SearchOptions
-    from autotune.search.study import StudyStore, open_storage
+    from autotune.search.storage import open_storage
+    from autotune.search.study import StudyStore
 
     options = SearchOptions(script=TINY, out=tmp_path / "unused", space=Path(_space(tmp_path)), study_name="s")
     search = Search(options, QuietDisplay())

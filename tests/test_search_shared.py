@@ -201,7 +201,7 @@ def _fresh_database(url: str, name: str) -> str:
 def _driver(url: str) -> str:
     import sqlalchemy
 
-    from autotune.search.study import _with_installed_driver
+    from autotune.search.storage import _with_installed_driver
 
     return _with_installed_driver(sqlalchemy.engine.make_url(url)).render_as_string(hide_password=False)
 
@@ -211,7 +211,7 @@ def _driver(url: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _storage(url: str):
-    from autotune.search.study import open_storage
+    from autotune.search.storage import open_storage
 
     return open_storage(url).optuna  # one connection pool per storage, however often the tests look
 
@@ -406,7 +406,7 @@ def test_a_killed_worker_loses_nothing_and_its_trial_is_run_again(tmp_path, post
 OPEN_AT_ONCE = """
 import sys, time
 from pathlib import Path
-from autotune.search.study import open_storage
+from autotune.search.storage import open_storage
 ready, go = Path(sys.argv[2]), Path(sys.argv[3])
 ready.touch()
 while not go.exists():

@@ -12,12 +12,14 @@ import yaml
 
 from autotune.cli import main
 from autotune.errors import UsageError
+from autotune.search import storage as storage_mod
 from autotune.search import study as study_mod
 from autotune.search.live import QuietDisplay
 from autotune.search.options import SearchOptions
 from autotune.search.outcome import local_speedups
 from autotune.search.search import Search
-from autotune.search.study import ROLE_SEARCH, ROLE_YIELDED, StudyStore, open_storage
+from autotune.search.storage import open_storage
+from autotune.search.study import ROLE_SEARCH, ROLE_YIELDED, StudyStore
 from autotune.search.trial import Outcome, TrialResult
 
 REPO = Path(__file__).resolve().parent.parent
@@ -259,7 +261,7 @@ def test_report_opens_a_study_database_read_only_and_refuses_one_without_a_study
     _store(search, open_storage(f"sqlite:///{tmp_path / 'study.db'}"), "a:1")
     store = StudyStore(open_storage(str(tmp_path / "study.db"), must_exist=True), "s", create=False)
     assert store.about()["script"] == str(TINY)
-    with pytest.raises(study_mod.StorageFailed, match="cannot be written .read-only.; the trials finished so far"):
+    with pytest.raises(storage_mod.StorageFailed, match="cannot be written .read-only.; the trials finished so far"):
         store.ask(search.space.baseline())  # the database itself refuses writes
 
 
@@ -271,8 +273,8 @@ def test_a_study_file_deleted_during_the_search_stops_it_saying_its_trials_are_g
     store.label(trial, "baseline")
     store.record(trial, _result(config, role="baseline", number=trial.number), 1.0)
     storage.file.unlink()
-    monkeypatch.setattr(study_mod, "STORAGE_WAIT_S", 0.0)
-    with pytest.raises(study_mod.StorageFailed) as info:
+    monkeypatch.setattr(storage_mod, "STORAGE_WAIT_S", 0.0)
+    with pytest.raises(storage_mod.StorageFailed) as info:
         store.label(store.ask(config), "baseline")
     message = str(info.value)
     assert "was deleted, moved or replaced" in message and "no longer there" in message
@@ -300,7 +302,7 @@ def test_a_storage_password_is_never_shown(url, tmp_path, capsys):
 
 
 def test_a_password_in_the_query_is_not_written_to_the_outputs(tmp_path):
-    from autotune.search.study import _hidden
+    from autotune.search.storage import _hidden
 
     # the outputs name the storage by its description: check it hides every form a driver takes
     for url in ("postgresql://u@h/db?password=secret&x=1", "mysql://u@h/db?passwd=secret", "mysql://u:secret@h/db"):
@@ -311,14 +313,14 @@ def test_a_password_in_the_query_is_not_written_to_the_outputs(tmp_path):
 
 
 def test_the_storage_can_come_from_the_environment(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(study_mod.STORAGE_ENV, "postgresql://u@127.0.0.1:1/db?password=secret")
+    monkeypatch.setenv(storage_mod.STORAGE_ENV, "postgresql://u@127.0.0.1:1/db?password=secret")
     rc, err = _cli(["report", "--out", tmp_path / "r"], capsys)  # no --storage: AUTOTUNE_STORAGE
     assert rc == 2 and "cannot open the study storage postgresql://u@127.0.0.1:1/db?password=***" in err
     rc, err = _cli(["report", "--storage", tmp_path / "missing.log", "--out", tmp_path / "r"], capsys)
     assert rc == 2 and "missing.log" in err  # the command line comes first
-    monkeypatch.delenv(study_mod.STORAGE_ENV)
+    monkeypatch.delenv(storage_mod.STORAGE_ENV)
     rc, err = _cli(["report", "--out", tmp_path / "r"], capsys)
-    assert rc == 2 and "--storage" in err and study_mod.STORAGE_ENV in err
+    assert rc == 2 and "--storage" in err and storage_mod.STORAGE_ENV in err
 
 
 def _cli(argv, capsys):
@@ -382,13 +384,13 @@ def test_report_refuses_unknown_studies_changed_scripts_and_empty_studies(tmp_pa
 
 
 def test_heartbeat_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(study_mod.HEARTBEAT_ENV, "soon")
+    monkeypatch.setenv(storage_mod.HEARTBEAT_ENV, "soon")
     with pytest.raises(UsageError, match="whole number of seconds"):
-        study_mod.heartbeat_interval()
-    monkeypatch.setenv(study_mod.HEARTBEAT_ENV, "3")
-    assert study_mod.heartbeat_interval() == 3
-    monkeypatch.delenv(study_mod.HEARTBEAT_ENV)
-    assert study_mod.heartbeat_interval() == study_mod.HEARTBEAT_S
+        storage_mod.heartbeat_interval()
+    monkeypatch.setenv(storage_mod.HEARTBEAT_ENV, "3")
+    assert storage_mod.heartbeat_interval() == 3
+    monkeypatch.delenv(storage_mod.HEARTBEAT_ENV)
+    assert storage_mod.heartbeat_interval() == storage_mod.HEARTBEAT_S
 
 
 def test_a_machine_is_named_by_its_host_and_device(monkeypatch):
@@ -502,7 +504,7 @@ def _failing(monkeypatch, store: StudyStore, times: int, exc: Exception):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(store.study, "get_trials", get_trials)
-    monkeypatch.setattr(study_mod, "STORAGE_WAIT_S", 0.0)
+    monkeypatch.setattr(storage_mod, "STORAGE_WAIT_S", 0.0)
     return calls
 
 
@@ -523,9 +525,9 @@ def test_a_storage_that_keeps_failing_stops_with_one_line(tmp_path, storage, mon
     store = _store(search, storage, "a:1")
     cause = optuna.exceptions.StorageInternalError("An exception is raised during the commit.\nmore")
     calls = _failing(monkeypatch, store, 100, cause)
-    with pytest.raises(study_mod.StorageFailed) as info:
+    with pytest.raises(storage_mod.StorageFailed) as info:
         store.refresh()
-    assert calls["n"] == study_mod.STORAGE_TRIES
+    assert calls["n"] == storage_mod.STORAGE_TRIES
     message = str(info.value)
     assert "\n" not in message and "failed 5 times in a row" in message and "run the same command again" in message
     assert info.value.exit_code == 1

@@ -595,7 +595,8 @@ def test_report_refuses_a_study_whose_space_was_edited_to_hold_code(tmp_path, ca
     from autotune.search.identity import fingerprint
     from autotune.search.search import Search, SearchOptions
     from autotune.search.space import SearchSpace
-    from autotune.search.study import STUDY_ABOUT, STUDY_FINGERPRINT, StudyStore, open_storage
+    from autotune.search.storage import open_storage
+    from autotune.search.study import STUDY_ABOUT, STUDY_FINGERPRINT, StudyStore
 
     script = tmp_path / "train.py"
     script.write_text((Path(__file__).resolve().parent.parent / "fixtures/search/tiny.py").read_text())

@@ -47,6 +47,7 @@ from autotune.search.space import (
     config_key,
 )
 from autotune.search.strategy import Observation, Plan, label
+from autotune.search.storage import open_storage
 from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CONFIRM,
@@ -54,7 +55,6 @@ from autotune.search.study import (
     ROLE_PERTURBED,
     ROLE_SEARCH,
     StudyStore,
-    open_storage,
 )
 from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, unreached
 
