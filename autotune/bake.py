@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from autotune import files
-from autotune.analysis import Project
+from autotune.project import Project
 from autotune.errors import UsageError
 from autotune.inputs import load_yaml_file, shown
 from autotune.knobs import checked

@@ -14,7 +14,8 @@ from pathlib import Path
 from rich.console import Console
 
 from autotune import __version__
-from autotune.analysis import Project, load_project, source_lines
+from autotune.analysis import source_lines
+from autotune.project import Project, load_project
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.patch import CONFIG_NAME, DIFF_NAME, PatchResult, check_out_dir, run, select, write_in_place, write_outputs
 from autotune.transform import Site, Status, all_knobs, all_transforms

@@ -13,19 +13,8 @@ from typing import Any
 
 import libcst as cst
 
-from autotune.analysis import (
-    RUNTIME_ALIAS,
-    RUNTIME_MODULE,
-    ModuleFacts,
-    Project,
-    StepScope,
-    TrainingLoop,
-    deep,
-    load_project,
-    loss_expr,
-    no_gc,
-    source_lines,
-)
+from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, deep, no_gc, source_lines
+from autotune.project import Project, StepScope, TrainingLoop, load_project, loss_expr
 from autotune import files
 from autotune.bound import is_bound, statement_binds, statement_reads, unbound
 from autotune.errors import UsageError

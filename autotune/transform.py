@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 import libcst as cst
 
-from autotune.analysis import RUNTIME_ALIAS, ModuleFacts, Project
+from autotune.analysis import RUNTIME_ALIAS, ModuleFacts
+from autotune.project import Project
 from autotune.errors import UsageError
 from autotune.inputs import shown
 from autotune.knobs import NO_CHOICE, NUMERICS_ORDER, Knob, Numerics

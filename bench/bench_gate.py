@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from loss_probe import run_probe  # noqa: E402
 
-from autotune.analysis import load_project  # noqa: E402
+from autotune.project import load_project  # noqa: E402
 from autotune.knob_table import KNOBS  # noqa: E402
 from autotune.search.gate import Noise, judge, measure_noise, numerics_of, step_deviations  # noqa: E402
 from autotune.search.trial import Outcome, TrialResult  # noqa: E402

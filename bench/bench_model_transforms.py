@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select, write_outputs
 
 SETTINGS = {

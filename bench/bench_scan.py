@@ -132,7 +132,8 @@ def _split(path: Path, repeat: int) -> None:
     """Where the in-process time of a patch goes, phase by phase (the same steps as ``run``, checked against it)."""
     import libcst as cst
 
-    from autotune.analysis import ModuleFacts, Project, _collect, _collect_names, _find_loops, _index, no_gc, read_source
+    from autotune.analysis import ModuleFacts, _collect, _index, no_gc, read_source
+    from autotune.project import Project, _collect_names, _find_loops
     from autotune.patch import _apply, _code, _step_hooks, run
     from autotune.transform import Edits, Mode, all_transforms
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--script", type=Path, help="time this script instead of a generated one")
     args = parser.parse_args(argv)
 
-    from autotune.analysis import load_project
+    from autotune.project import load_project
     from autotune.patch import run
 
     with tempfile.TemporaryDirectory() as tmp:

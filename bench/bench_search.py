@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autotune.analysis import load_project  # noqa: E402
+from autotune.project import load_project  # noqa: E402
 from autotune.patch import PatchResult, run as patch_project, select  # noqa: E402
 from autotune.search.gate import judge, measure_noise  # noqa: E402
 from autotune.search.live import changed_text  # noqa: E402

@@ -116,7 +116,7 @@ class Outcome:
 
 def score(case: Case) -> Outcome:
     """Scan ``case`` and compare its applicable sites with the truth."""
-    from autotune.analysis import load_project
+    from autotune.project import load_project
     from autotune.patch import scan
     from autotune.transform import Status
 

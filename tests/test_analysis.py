@@ -7,7 +7,8 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from autotune.analysis import _LAYOUT, ModuleFacts, _libcst_positions, _positions, load_project
+from autotune.analysis import _LAYOUT, ModuleFacts, _libcst_positions, _positions
+from autotune.project import load_project
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "fixtures/scripts"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.bake import bake, read_config
 from autotune.cli import main
 from autotune.errors import UsageError

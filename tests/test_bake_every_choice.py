@@ -15,7 +15,7 @@ import yaml
 from dist_probe import run_dist_probe
 from loss_probe import run_probe
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.bake import bake
 from autotune.knob_table import KNOBS
 from autotune.patch import run, select, write_outputs

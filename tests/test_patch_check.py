@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.analysis import ModuleFacts, load_project
+from autotune.analysis import ModuleFacts
+from autotune.project import load_project
 from autotune.patch import _code, _apply, run
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Mode, Transform, stmt

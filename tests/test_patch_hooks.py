@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import autotune.patch as patch_mod
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.cli import main
 from autotune.knobs import Knob, Numerics
 from autotune.patch import run

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select, write_outputs
 from autotune.transform import Status
 from loss_probe import run_probe

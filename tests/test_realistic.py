@@ -12,7 +12,7 @@ import pytest
 from loss_probe import run_probe
 from realistic import CASES, Case, load_case, measure, details, table, totals, Tally
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, write_outputs
 from autotune.transform import all_transforms
 

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from autotune import runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.search.trial import Outcome, TrialResult, merge_ranks, unreached
 from autotune.transform import all_knobs

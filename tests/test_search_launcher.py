@@ -18,7 +18,7 @@ import pytest
 import yaml
 from procs import wait_gone, wait_none_naming
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.cli import main
 from autotune.patch import run, select, write_outputs
 from autotune.runtime import rank_info

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from procs import alive, wait_gone
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.search.trial import Outcome, Runner, TrialSettings, _subreaper
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run
 from autotune.search.trial import Outcome, Runner, TrialSettings
 

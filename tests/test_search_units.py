@@ -459,7 +459,7 @@ def test_the_plot_compares_each_run_with_its_own_machines_baseline():
 
 
 def test_a_trial_of_an_entry_in_scripts_imports_the_package_at_the_project_root(tmp_path):
-    from autotune.analysis import load_project
+    from autotune.project import load_project
     from autotune.patch import run
     from autotune.search.trial import Runner, TrialSettings
 

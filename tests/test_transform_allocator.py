@@ -10,7 +10,7 @@ import yaml
 from loss_probe import probe
 
 from autotune import runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.knobs import Numerics
 from autotune.patch import run, select
 from autotune.transform import Mode, Status

@@ -13,7 +13,7 @@ import yaml
 from loss_probe import run_probe
 
 from autotune import runtime, runtime_helpers
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.knobs import Numerics
 from autotune.patch import run, select
 from autotune.transform import Mode, Status

@@ -11,7 +11,7 @@ from loss_probe import run_probe
 from transform_cases import assert_same_losses
 
 from autotune import runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.knobs import Numerics
 from autotune.patch import run, select
 from autotune.transform import Mode, Status

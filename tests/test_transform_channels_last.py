@@ -73,7 +73,7 @@ def test_a_trainer_class_converts_its_own_model_after_initialising_it():
 
 
 def test_dropout_after_the_flatten_does_not_count():
-    from autotune.analysis import load_project
+    from autotune.project import load_project
     from autotune.patch import run, select
     from pathlib import Path
 
@@ -158,7 +158,7 @@ def test_model_zoo_converts_the_trained_network_not_the_test_functions():
     builds a net of its own: only the network train.py trains is converted and compiled."""
     from pathlib import Path
 
-    from autotune.analysis import load_project
+    from autotune.project import load_project
     from autotune.patch import run, select
 
     zoo = Path(__file__).resolve().parent.parent / "fixtures" / "scripts" / "cifar_zoo" / "train.py"

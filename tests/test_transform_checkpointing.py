@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint
 
 import autotune.runtime as runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.transform import Mode, Status
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import autotune.runtime as runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select, write_outputs
 from autotune.transform import Status
 from loss_probe import probe

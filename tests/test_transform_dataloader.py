@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transform_cases import baked, case, losses, original, patched, sites, statuses
 
 from autotune import runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.search.space import read_space
 from autotune.transform import Status

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.transform import Mode, all_transforms
 

@@ -12,7 +12,7 @@ from dist_probe import run_dist_probe
 from transform_cases import assert_same_losses, baked, case, sites, statuses
 
 import autotune.runtime as runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.knobs import Numerics
 from autotune.patch import run, select, write_outputs
 from autotune.transforms.fsdp import Fsdp

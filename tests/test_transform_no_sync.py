@@ -13,7 +13,7 @@ from dist_probe import run_dist_probe
 from transform_cases import baked, case, patched, sites, statuses
 
 import autotune.runtime as runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.knobs import Numerics
 from autotune.patch import run, select, write_outputs
 from autotune.transform import Mode, Status

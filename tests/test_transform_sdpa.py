@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autotune.runtime as runtime
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.transform import Status
 

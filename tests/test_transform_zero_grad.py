@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transform_cases import FIXTURES, sites, statuses
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.transform import Mode, Status
 from autotune.transforms.zero_grad import ZeroGrad

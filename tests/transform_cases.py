@@ -11,7 +11,7 @@ import pytest
 import yaml
 from loss_probe import run_probe
 
-from autotune.analysis import load_project
+from autotune.project import load_project
 from autotune.patch import run, select
 from autotune.transform import Mode, Site, Status
 

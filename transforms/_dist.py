@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from autotune.analysis import ModuleFacts, Project
+from autotune.analysis import ModuleFacts
+from autotune.project import Project
 from autotune.transform import Status, positional
 
 DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from autotune.analysis import ModuleFacts, Project
+from autotune.analysis import ModuleFacts
+from autotune.project import Project
 from autotune.transform import fresh_name, positional
 from autotune.transforms._sites import strip_module_chain
 

@@ -6,7 +6,8 @@ import weakref
 
 import libcst as cst
 
-from autotune.analysis import ModuleFacts, Project
+from autotune.analysis import ModuleFacts
+from autotune.project import Project
 
 # Module methods that return the module itself: `Net().to(device).train()` still builds a Net.
 _MODULE_CHAIN = {"to", "cuda", "cpu", "train", "eval", "float", "half", "double", "bfloat16", "requires_grad_"}

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field, replace
 
 import libcst as cst
 
-from autotune.analysis import ModuleFacts, Project, TrainingLoop, is_framework_backward
+from autotune.analysis import ModuleFacts
+from autotune.project import Project, TrainingLoop, is_framework_backward
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.transform import (

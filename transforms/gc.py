@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import libcst as cst
 
-from autotune.analysis import ModuleFacts, TrainingLoop
+from autotune.analysis import ModuleFacts
+from autotune.project import TrainingLoop
 from autotune.transform import Edits, Status, Transform, stmt
 from autotune.knobs import Knob, Numerics
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from autotune.analysis import ModuleFacts, StepScope
+from autotune.analysis import ModuleFacts
+from autotune.project import StepScope
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform, is_docstring, expr

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.analysis import Project
+from autotune.project import Project
 from autotune.patch import PatchResult
 from autotune.search.gate import Noise
 from autotune.search.options import SearchOptions

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.analysis import RUNTIME_ALIAS, Project, load_project
+from autotune.analysis import RUNTIME_ALIAS
+from autotune.project import Project, load_project
 from autotune.bake import check_out_dir
 from autotune.errors import NoTrainingLoop, UsageError
 from autotune.files import PLOT_NAME, REPORT_NAME

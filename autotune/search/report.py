@@ -28,7 +28,6 @@ from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
 
-
 @dataclass(frozen=True)
 class Written:
     """What write_outputs wrote, and where the plot went (or why it did not)."""

@@ -1,0 +1,393 @@
+"""The project: an entry script and the local modules it imports, its training loops and their optimizer steps.
+
+Built from each file's facts (``autotune.analysis``); nothing here imports or runs user code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libcst as cst
+
+from autotune.analysis import _UNKNOWN, ModuleFacts, deep, no_gc, read_source
+
+# torch.optim classes that are not optimizers.
+_NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.", "torch.optim.Optimizer")
+
+
+def _is_optimizer_ctor(qualname: str | None) -> bool:
+    if not qualname or not qualname.startswith("torch.optim."):
+        return False
+    if qualname.startswith(_NOT_OPTIMIZERS):
+        return False
+    last = qualname.rsplit(".", 1)[-1]
+    return last[:1].isupper()
+
+
+def is_scheduler_ctor(qualname: str | None) -> bool:
+    return bool(qualname) and qualname.startswith("torch.optim.lr_scheduler.")
+
+
+@dataclass(frozen=True, eq=False)
+class StepScope:
+    """Where a training step happens: the block owner (a loop or a function) holding backward and step calls."""
+
+    module: ModuleFacts
+    owner: cst.CSTNode
+    backward: tuple[cst.Call, ...]
+    steps: tuple[cst.Call, ...]
+    zero_grads: tuple[cst.Call, ...]
+
+    def loss_exprs(self) -> list[cst.BaseExpression]:
+        """The tensors the step's backward calls run on (see ``loss_expr``)."""
+        return [e for call in self.backward if (e := loss_expr(self.module, call)) is not None]
+
+
+def loss_expr(facts: ModuleFacts, call: cst.Call) -> cst.BaseExpression | None:
+    """The tensor a backward call runs on: ``loss`` of ``loss.backward()``, unwrapped from ``scaler.scale(...)``;
+    the argument of ``accelerator.backward(loss)``, ``fabric.backward(loss)`` and ``torch.autograd.backward(loss)``."""
+    recv = call.func.value  # type: ignore[attr-defined]
+    if is_framework_backward(facts, call):
+        if call.args and call.args[0].keyword is None and not call.args[0].star:
+            return call.args[0].value
+        return None
+    if isinstance(recv, cst.Call) and isinstance(recv.func, cst.Attribute) and recv.func.attr.value == "scale":
+        if recv.args:
+            recv = recv.args[0].value
+    return recv
+
+
+# Libraries whose objects run backward() on the loss they are given (and scale it under their own precision).
+_BACKWARD_OWNERS = ("accelerate.", "lightning.", "lightning_fabric.", "pytorch_lightning.", "deepspeed.")
+
+
+def is_framework_backward(facts: ModuleFacts, call: cst.Call) -> bool:
+    """``accelerator.backward(loss)``, ``fabric.backward(loss)``, ``engine.backward(loss)``,
+    ``torch.autograd.backward(loss)``: the loss is the argument, not the receiver."""
+    if facts.qualname(call.func) == "torch.autograd.backward":
+        return True
+    recv = call.func.value  # type: ignore[attr-defined]
+    if not isinstance(recv, (cst.Name, cst.Attribute)):
+        return False
+    # only the spelling can be seen where the object arrives as a parameter or an attribute
+    last = facts.code(recv).rsplit(".", 1)[-1].lower()
+    if any(word in last for word in ("accelerator", "fabric", "engine")):
+        return True
+    code = facts.code(recv)
+    for assign in facts.assigns:
+        if isinstance(assign.value, cst.Call) and any(facts.code(t.target) == code for t in assign.targets):
+            if (facts.qualname(assign.value.func) or "").startswith(_BACKWARD_OWNERS):
+                return True
+    return False
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingLoop:
+    """A loop whose body, directly or through local functions, calls ``backward()`` and an optimizer's ``step()``."""
+
+    module: ModuleFacts
+    node: cst.For | cst.While  # the innermost such loop: one iteration per step
+    outer: cst.For | cst.While  # the outermost such loop in the same function (epochs around steps)
+    scopes: tuple[StepScope, ...]
+
+
+@dataclass(eq=False)
+class Project:
+    """The entry script and the local modules it imports, with the facts that span files."""
+
+    root: Path
+    entry: ModuleFacts
+    modules: list[ModuleFacts]
+    optimizer_names: set[str] = field(default_factory=set)  # code of the targets optimizers are assigned to
+    scheduler_names: set[str] = field(default_factory=set)
+    loops: list[TrainingLoop] = field(default_factory=list)
+    module_classes: set[str] = field(default_factory=set)  # qualified names of local nn.Module subclasses
+    _targets: dict[cst.Call, tuple[ModuleFacts, cst.FunctionDef] | None] = field(default_factory=dict, repr=False)
+
+    def by_modname(self, name: str) -> ModuleFacts | None:
+        return next((m for m in self.modules if m.modname == name), None)
+
+    def optimizer_ctors(self, facts: ModuleFacts) -> list[cst.Call]:
+        return [c for c in facts.calls if _is_optimizer_ctor(facts.qualname(c.func))]
+
+    def is_optimizer_expr(self, facts: ModuleFacts, expr: cst.BaseExpression) -> bool:
+        """Whether ``expr`` names an optimizer.
+
+        Only its spelling can be seen where an optimizer arrives as a parameter (``def train(model, opt)``), so
+        a name that was never assigned an optimizer counts when it says ``opt`` and is not a known scheduler.
+        """
+        code = facts.code(expr)
+        if code in self.optimizer_names:
+            return True
+        if code in self.scheduler_names:
+            return False
+        last = code.rsplit(".", 1)[-1].lower()
+        return "opt" in last and "sched" not in last and isinstance(expr, (cst.Name, cst.Attribute))
+
+    def is_step_call(self, facts: ModuleFacts, call: cst.Call) -> bool:
+        """``opt.step()``, ``scaler.step(opt)`` or autotune's own ``_autotune.optimizer_step(opt)``."""
+        func = call.func
+        if facts.is_runtime_call(call, "optimizer_step"):
+            return True
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "step"):
+            return False
+        if self.is_optimizer_expr(facts, func.value):
+            return True
+        recv = facts.code(func.value).lower()
+        return "scaler" in recv and bool(call.args) and self.is_optimizer_expr(facts, call.args[0].value)
+
+    @staticmethod
+    def is_backward_call(call: cst.Call) -> bool:
+        return isinstance(call.func, cst.Attribute) and call.func.attr.value == "backward"
+
+    @staticmethod
+    def is_zero_grad_call(call: cst.Call) -> bool:
+        return isinstance(call.func, cst.Attribute) and call.func.attr.value == "zero_grad"
+
+    def is_zero_grad_statement(self, facts: ModuleFacts, stmt: cst.BaseStatement) -> bool:
+        """Whether every call in ``stmt`` is a ``zero_grad()`` (and there is one)."""
+        calls = facts.calls_in(stmt)
+        return bool(calls) and all(self.is_zero_grad_call(c) for c in calls)
+
+    def local_target(self, facts: ModuleFacts, call: cst.Call) -> tuple[ModuleFacts, cst.FunctionDef] | None:
+        """The local function or method a call runs, when it can be resolved without running anything."""
+        # asked about every call by the loop search and several transforms: remembered per call
+        found = self._targets.get(call, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._targets[call] = self._local_target(facts, call)
+        return found
+
+    def _local_target(self, facts: ModuleFacts, call: cst.Call) -> tuple[ModuleFacts, cst.FunctionDef] | None:
+        func = call.func
+        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+            cls = facts.class_of(call)
+            target = facts.method_named(cls, func.attr.value) if cls is not None else None
+            return (facts, target) if target is not None else None
+        qual = facts.qualname(func)
+        if qual is None:
+            return None
+        modname, _, name = qual.rpartition(".")
+        owner = self.by_modname(modname)
+        if owner is None:
+            return None
+        target = owner.function_named(name)
+        return (owner, target) if target is not None else None
+
+
+def _module_path(root: Path, dotted: str) -> Path | None:
+    """The file of local module ``dotted`` under ``root``: a link to a file outside it is not local (it is read,
+    like an installed package, by Python alone: autotune neither reads it nor writes through it)."""
+    parts = dotted.split(".")
+    if not all(parts):
+        return None
+    base = root.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate if candidate.resolve().is_relative_to(root) else None
+    return None
+
+
+def _modname(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _outer_base(folder: Path) -> tuple[Path, bool] | None:
+    """Where local imports resolve besides the entry's folder, and whether only packages count there.
+
+    An entry inside a package (``scripts/__init__.py``) runs as ``python -m scripts.train`` from above every
+    enclosing package, where any module imports. Otherwise the parent folder counts for packages only (a
+    folder with ``__init__.py``): ``scripts/train.py`` importing ``mypkg`` from the repository root, run with
+    the root on the path; a lone module there is too weak a sign that the script means it.
+    """
+    top = folder
+    while (top / "__init__.py").is_file():
+        top = top.parent
+    if top != folder:
+        return top, False
+    return (folder.parent, True) if folder.parent != folder else None
+
+
+def _find_module(bases: list[tuple[Path, bool]], dotted: str) -> tuple[Path, Path] | None:
+    """The first base where ``dotted`` is a local module, and its file."""
+    for base, packages_only in bases:
+        if packages_only and not (base / dotted.split(".")[0] / "__init__.py").is_file():
+            continue
+        path = _module_path(base, dotted)
+        if path is not None:
+            return base, path
+    return None
+
+
+def load_project(entry: Path) -> Project:
+    """Parse ``entry`` and every local module it imports, transitively: files under the entry's folder, and
+    packages beside it (see ``_outer_base``)."""
+    return deep(_load_project, Path(entry))
+
+
+def _load_project(entry: Path) -> Project:
+    with no_gc():
+        return _read_project(entry)
+
+
+def _read_project(entry: Path) -> Project:
+    display = str(entry)
+    text = read_source(entry, display)  # one clear error for a missing, binary, empty or undecodable entry
+    folder = entry.resolve().parent
+    outer = _outer_base(folder)
+    bases = [(folder, False), *([outer] if outer else [])]
+    in_package = outer is not None and not outer[1]
+    entry_facts = ModuleFacts.load(entry.resolve(), display, _modname(outer[0], entry.resolve()) if in_package else entry.stem, text)
+    modules = [entry_facts]
+    seen = {entry.resolve()}
+    root = folder
+    if in_package:  # `python -m scripts.train` runs scripts/__init__.py first
+        package = folder
+        while package != outer[0]:  # type: ignore[index]
+            init = package / "__init__.py"
+            if init.read_text(encoding="utf-8", errors="replace").strip():
+                seen.add(init)
+                shown = os.path.normpath(Path(display).parent / os.path.relpath(init, folder))
+                modules.append(ModuleFacts.load(init, shown, _modname(outer[0], init)))  # type: ignore[index]
+                root = outer[0]  # type: ignore[index]
+            package = package.parent
+    queue = list(modules)
+    while queue:
+        facts = queue.pop(0)
+        for dotted, level in facts.imported_modules:
+            name = facts.resolve_relative("." * level + dotted) if level else dotted
+            if name.startswith("."):
+                continue  # beyond the top-level package: Python refuses it too
+            parts = name.split(".")
+            # importing a.b.c runs a/__init__.py and a/b/__init__.py too
+            for i in range(1, len(parts) + 1):
+                found = _find_module(bases, ".".join(parts[:i]))
+                if found is None or found[1].resolve() in seen:
+                    continue
+                base, path = found
+                seen.add(path.resolve())
+                if base != folder:
+                    root = base  # the project's files are laid out from the outer folder
+                shown = os.path.normpath(Path(display).parent / os.path.relpath(path, folder))
+                child = ModuleFacts.load(path, shown, _modname(base, path))
+                modules.append(child)
+                queue.append(child)
+    project = Project(root, entry_facts, modules)
+    _resolve_star_imports(project)
+    _collect_names(project)
+    _find_loops(project)
+    return project
+
+
+def _public_names(facts: ModuleFacts) -> list[str]:
+    """What ``from facts import *`` binds: ``__all__`` when it is a literal list or tuple, else every top-level
+    name without a leading underscore."""
+    top = facts.module.body
+    for stmt in top:
+        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Assign):
+            assign = stmt.body[0]
+            if any(isinstance(t.target, cst.Name) and t.target.value == "__all__" for t in assign.targets):
+                if isinstance(assign.value, (cst.List, cst.Tuple)):
+                    values = [e.value for e in assign.value.elements]
+                    if all(isinstance(v, cst.SimpleString) for v in values):
+                        return [v.evaluated_value for v in values]
+    names = [*facts.imports]
+    for stmt in top:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            names.append(stmt.name.value)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Assign):
+                    names.extend(t.target.value for t in small.targets if isinstance(t.target, cst.Name))
+    return [n for n in names if not n.startswith("_")]
+
+
+def _resolve_star_imports(project: Project) -> None:
+    """``from models import *`` (and ``from .resnet import *`` inside models/__init__.py): the names a local module
+    exports become imports of the importing file, so ``ResNet18()`` resolves to ``models.resnet.ResNet18``."""
+    for _ in range(4):  # stars of stars: a package re-exporting its modules
+        grew = False
+        for facts in project.modules:
+            for modname in facts.star_imports:
+                source = project.by_modname(modname)
+                if source is None or source is facts:
+                    continue
+                for name in _public_names(source):
+                    if name in facts.imports or name in facts.classes or facts.function_named(name) is not None:
+                        continue
+                    facts.imports[name] = source.imports.get(name, f"{source.modname}.{name}")
+                    grew = True
+        if not grew:
+            return
+
+
+def _collect_names(project: Project) -> None:
+    for facts in project.modules:
+        for call in facts.calls:
+            qual = facts.qualname(call.func)
+            parent = facts.parent(call)
+            if not isinstance(parent, cst.Assign):
+                continue
+            if _is_optimizer_ctor(qual):
+                project.optimizer_names |= {facts.code(t.target) for t in parent.targets}
+            elif is_scheduler_ctor(qual):
+                project.scheduler_names |= {facts.code(t.target) for t in parent.targets}
+        for cls in facts.classes.values():
+            for base in cls.bases:
+                qual = facts.qualname(base.value)
+                if qual in ("torch.nn.Module", "torch.nn.modules.module.Module"):
+                    project.module_classes.add(f"{facts.modname}.{cls.name.value}")
+
+
+def _scope_calls(
+    project: Project, facts: ModuleFacts, owner: cst.CSTNode, depth: int, seen: set
+) -> list[StepScope]:
+    """The step scopes reachable from ``owner``'s calls: itself and the local functions it calls."""
+    calls = facts.calls_in(owner)
+    backward = tuple(c for c in calls if project.is_backward_call(c))
+    steps = tuple(c for c in calls if project.is_step_call(facts, c))
+    zero = tuple(c for c in calls if project.is_zero_grad_call(c))
+    scopes = []
+    if backward or steps:
+        scopes.append(StepScope(facts, owner, backward, steps, zero))
+    if depth < 3:
+        for call in calls:
+            target = project.local_target(facts, call)
+            if target is None or target[1] in seen:
+                continue
+            seen.add(target[1])
+            scopes.extend(_scope_calls(project, target[0], target[1], depth + 1, seen))
+    return scopes
+
+
+def _find_loops(project: Project) -> None:
+    candidates: list[tuple[ModuleFacts, cst.CSTNode, tuple[StepScope, ...]]] = []
+    reached: dict[cst.CSTNode, set] = {}  # loop -> the local functions its body calls, three calls deep
+    for facts in project.modules:
+        for loop in facts.loops:
+            seen = reached[loop] = set()
+            scopes = _scope_calls(project, facts, loop, 0, seen)
+            if any(s.backward for s in scopes) and any(s.steps for s in scopes):
+                candidates.append((facts, loop, tuple(scopes)))
+    def inside(call_facts: ModuleFacts, call: cst.Call, other: tuple) -> bool:
+        return other[0] is call_facts and call_facts.contains(other[1], call)
+
+    for facts, loop, scopes in candidates:
+        steps = [(s.module, c) for s in scopes for c in s.steps]
+        others = [c for c in candidates if c[1] is not loop and not (c[0] is facts and facts.contains(c[1], loop))]
+        nested = any(c[0] is facts and facts.contains(loop, c[1]) for c in others)
+        # a trainer's train() loops over epochs and calls _run_epoch(), which holds the loop over batches
+        calls_a_loop = any(c[0].function_of(c[1]) in reached[loop] for c in others)
+        if nested or calls_a_loop or any(all(inside(m, c, other) for m, c in steps) for other in others):
+            continue  # an epoch loop: its steps belong to an inner loop, here or in a function it calls
+        outer = loop
+        for other_facts, other, _ in candidates:
+            if other_facts is facts and facts.contains(other, loop) and facts.function_of(other) is facts.function_of(loop):
+                if facts.contains(other, outer):
+                    outer = other
+        project.loops.append(TrainingLoop(facts, loop, outer, scopes))
