@@ -73,9 +73,9 @@ def runtime_section(path: Path) -> str | None:
     return text[text.index("\n", at + 1) + 1:].strip("\n") + "\n"
 
 
-def _split_imports(name: str, section: str) -> tuple[list[ast.stmt], str]:
-    """The imports a section opens with (checked against ``SECTION_IMPORTS``) and the rest of its text."""
-    tree = ast.parse(section)
+def _split_imports(name: str, section: str, tree: ast.Module) -> tuple[list[ast.stmt], str]:
+    """The imports a section (parsed: ``tree``) opens with, checked against ``SECTION_IMPORTS``, and the rest of
+    its text."""
     imports: list[ast.stmt] = []
     for node in tree.body:
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -145,18 +145,19 @@ def helpers_source(files: list[tuple[str, Path]] | None = None) -> str:
         section = runtime_section(path)
         if section is None:
             continue
-        imports, body = _split_imports(name, section)
         tree = ast.parse(section)
+        imports, body = _split_imports(name, section, tree)
         known = _defined(tree) | set(dir(builtins)) | {"__name__"}
         free = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id not in known})
         if free:
             raise ValueError(f"transforms/{name}.py: its runtime section uses {', '.join(free)} without binding it: "
                              "the section is copied alone, so it must import or define what it uses")
-        for top in _top_level(ast.parse(body)):
+        tops = _top_level(tree)
+        for top in tops:
             if owner.setdefault(top, name) != name:
                 raise ValueError(f"transforms/{name}.py and transforms/{owner[top]}.py both define {top} in their "
                                  "runtime sections")
-        public.extend(n for n in _top_level(ast.parse(body)) if not n.startswith("_"))
+        public.extend(n for n in tops if not n.startswith("_"))
         for node in imports:
             if isinstance(node, ast.Import):
                 plain.update(ast.unparse(ast.Import(names=[a])) for a in node.names)

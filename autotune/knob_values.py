@@ -24,6 +24,7 @@ _device: str | None = None
 _applied: dict[str, None] = {}
 _late_reports: list[Callable[[], list[str]]] = []
 _resets: list[Callable[[], None]] = []
+_defaults: dict[str, Any] | None = None  # knob -> its declared default, once asked for
 
 
 def _fail(msg: str) -> None:
@@ -115,10 +116,14 @@ def _loaded() -> dict[str, Any]:
 
 
 def default(name: str) -> Any:
-    """The default of knob ``name`` as its transform declares it (``autotune.knob_table``)."""
-    from autotune.knob_table import KNOBS
+    """The default of knob ``name`` as its transform declares it (``autotune.knob_table``, read once: helpers ask on
+    every training step)."""
+    global _defaults
+    if _defaults is None:
+        from autotune.knob_table import KNOBS
 
-    return KNOBS[name].default
+        _defaults = {n: k.default for n, k in KNOBS.items()}
+    return _defaults[name]
 
 
 def knob(name: str, record: bool = True) -> Any:
