@@ -47,8 +47,9 @@ def make_runner(script: Path, tmp_path: Path, launcher, args=()) -> Runner:
 
 
 def pids_in(folder: Path) -> dict[int, int]:
-    """rank -> process id, from the ``rank<R>.pid`` files the fixtures write."""
-    return {int(p.stem.removeprefix("rank")): int(p.read_text()) for p in folder.glob("rank*.pid")}
+    """rank -> process id, from the ``rank<R>.pid`` files the fixtures write (one still empty is not counted yet: a
+    trial may not rename a file outside its folder, so the fixtures cannot write theirs atomically)."""
+    return {int(p.stem.removeprefix("rank")): int(text) for p in folder.glob("rank*.pid") if (text := p.read_text())}
 
 
 # --- ranks and merging (no subprocess) --------------------------------------------------------------------------
