@@ -131,6 +131,22 @@ def _text(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+@dataclass
+class _Walk:
+    """The path and the blamed knobs as one plan() builds them."""
+
+    space: SearchSpace
+    path: list[Step] = field(default_factory=list)
+    blamed: list[Blame] = field(default_factory=list)
+
+    def stop(self, p: Proposal | None, incumbent: Config, more: Sequence[Proposal] = ()) -> Plan:
+        """The plan: ``p`` (and ``more``) to measure next, or done where ``p`` is None."""
+        ready = tuple([p, *more]) if p is not None else ()
+        on = f" on {label(incumbent, self.space)} not tried"
+        untried = sum(step.phase == "skip" and on in step.text for step in self.path)
+        return Plan(ready, tuple(self.path), tuple(self.blamed), dict(incumbent), p is None, untried)
+
+
 class StrongStart:
     """Baselines, then the configuration the field switches on; blame by bisection if it fails; coordinate descent
     from the best configuration so far; expensive choices (long compiles) last, only when the budget covers them."""
@@ -160,16 +176,21 @@ class StrongStart:
         return any(n == name and same_value(v, value) for n, v in self.expensive)
 
     def plan(self, view: View) -> Plan:
-        path: list[Step] = []
-        blamed: list[Blame] = []
+        """Where the strategy stands, from what ``view`` has measured: 1. the start configuration, 2. the knobs that
+        break it blamed and dropped, 3. coordinate descent from there, 4. the expensive choices on top."""
+        walk = _Walk(self.space)
         base = view.canonical(self.space.baseline())
+        current = self._start(view, walk, base)
+        if isinstance(current, Plan):
+            return current
+        incumbent = self._descend(view, walk, current, base)
+        if isinstance(incumbent, Plan):
+            return incumbent
+        return self._expensive_steps(view, walk, incumbent)
 
-        def stop(p: Proposal | None, incumbent: Config, more: Sequence[Proposal] = ()) -> Plan:
-            ready = tuple([p, *more]) if p is not None else ()
-            on = f" on {label(incumbent, self.space)} not tried"
-            untried = sum(step.phase == "skip" and on in step.text for step in path)
-            return Plan(ready, tuple(path), tuple(blamed), dict(incumbent), p is None, untried)
-
+    def _start(self, view: View, walk: _Walk, base: Config) -> Config | Plan:
+        """The start configuration as measured, less the knobs that broke it (or what to measure to get there)."""
+        path, stop = walk.path, walk.stop
         # 1. the start configuration; where the time left does not cover it, without the knobs whose runs cost much
         # more than the baseline's (compilation), which the descent tries later if the time allows
         current = view.canonical(self.start)
@@ -184,44 +205,55 @@ class StrongStart:
             if got is None:
                 return stop(Proposal(current, "start", "the configuration the field switches on for this device"), base)
             path.append(Step("start", f"start: {label(current, self.space)}", current, _speed(got)))
-            # 2. blame: while it fails, bisect the changed knobs for the one that breaks it, drop it, measure again
-            changed = [n for n in self.order if not same_value(current.get(n), self.space.baseline()[n])]
-            while not got.ok:
-                idle = [n for n in changed if n in got.unreached]
-                if idle:  # knobs whose code never ran: no bisection needed, and no value of them can help
-                    for name in idle:
-                        changed.remove(name)
-                        reason = "its code never ran in this script's run (the path it changes was not taken)"
-                        blamed.append(Blame(name, self.start[name], reason, every_value=True))
-                        path.append(Step("blame", f"left out {name}: {reason}"))
-                    what = "start without them"
-                else:
-                    lo, hi, failure = 0, len(changed), got  # prefix lo passes (the baseline does), prefix hi fails
-                    while hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        trial = view.canonical(self._with(changed[:mid]))
-                        seen = view.observed(trial)
-                        if seen is None:
-                            why = f"blame: bisecting {len(changed)} knobs, the first {mid} on"
-                            return stop(Proposal(trial, "blame", why), base)
-                        if seen.ok:
-                            lo = mid
-                        else:
-                            hi, failure = mid, seen
-                    culprit = changed.pop(hi - 1)
-                    value = self.start[culprit]
-                    reason = _failure_text(failure)
-                    blamed.append(Blame(culprit, value, reason))
-                    path.append(Step("blame", f"blamed {culprit}={_text(value)}: {reason}"))
-                    what = "start without the blamed knobs"
-                current = view.canonical(self._with(changed))
-                if view.same(current, base):
-                    break
-                got = view.observed(current)
-                if got is None:
-                    why = "the start configuration without " + ", ".join(f"{b.knob}={_text(b.value)}" for b in blamed)
-                    return stop(Proposal(current, "start", why), base)
-                path.append(Step("start", f"{what}: {label(current, self.space)}", current, _speed(got)))
+            return self._blame(view, walk, base, current, got)
+        return current
+
+    def _blame(self, view: View, walk: _Walk, base: Config, current: Config, got: Observation) -> Config | Plan:
+        """While the start fails, bisect its changed knobs for the one that breaks it, drop it, measure again."""
+        path, blamed, stop = walk.path, walk.blamed, walk.stop
+        changed = [n for n in self.order if not same_value(current.get(n), self.space.baseline()[n])]
+        while not got.ok:
+            idle = [n for n in changed if n in got.unreached]
+            if idle:  # knobs whose code never ran: no bisection needed, and no value of them can help
+                for name in idle:
+                    changed.remove(name)
+                    reason = "its code never ran in this script's run (the path it changes was not taken)"
+                    blamed.append(Blame(name, self.start[name], reason, every_value=True))
+                    path.append(Step("blame", f"left out {name}: {reason}"))
+                what = "start without them"
+            else:
+                lo, hi, failure = 0, len(changed), got  # prefix lo passes (the baseline does), prefix hi fails
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    trial = view.canonical(self._with(changed[:mid]))
+                    seen = view.observed(trial)
+                    if seen is None:
+                        why = f"blame: bisecting {len(changed)} knobs, the first {mid} on"
+                        return stop(Proposal(trial, "blame", why), base)
+                    if seen.ok:
+                        lo = mid
+                    else:
+                        hi, failure = mid, seen
+                culprit = changed.pop(hi - 1)
+                value = self.start[culprit]
+                reason = _failure_text(failure)
+                blamed.append(Blame(culprit, value, reason))
+                path.append(Step("blame", f"blamed {culprit}={_text(value)}: {reason}"))
+                what = "start without the blamed knobs"
+            current = view.canonical(self._with(changed))
+            if view.same(current, base):
+                break
+            got = view.observed(current)
+            if got is None:
+                why = "the start configuration without " + ", ".join(f"{b.knob}={_text(b.value)}" for b in blamed)
+                return stop(Proposal(current, "start", why), base)
+            path.append(Step("start", f"{what}: {label(current, self.space)}", current, _speed(got)))
+        return current
+
+    def _descend(self, view: View, walk: _Walk, current: Config, base: Config) -> Config | Plan:
+        """Coordinate descent from the start (or the baseline, where the start failed), restarted from a faster
+        configuration measured on the way; the incumbent it ends at, or what to measure next."""
+        path, blamed, stop = walk.path, walk.blamed, walk.stop
         # the descent starts from the start configuration (blamed knobs dropped) even where it is slower than the
         # baseline: taking knobs out of it one at a time keeps the ones that only pay together (bf16 with SDPA)
         incumbent = current if _ok(view, current) else base
@@ -303,7 +335,11 @@ class StrongStart:
             origins.append(origin)
             visited.append(origin)
 
-        # 4. expensive choices, on top of the incumbent, while the budget covers them
+        return incumbent
+
+    def _expensive_steps(self, view: View, walk: _Walk, incumbent: Config) -> Plan:
+        """The expensive choices (max-autotune) on top of the incumbent, while the budget covers them."""
+        path, stop = walk.path, walk.stop
         for name, value in self.expensive:
             trial = view.canonical({**incumbent, name: value})
             if view.same(trial, incumbent):
@@ -321,6 +357,7 @@ class StrongStart:
             else:
                 path.append(Step("expensive", f"{name}={_text(value)}: not faster ({_failure_text(seen) if not seen.ok else _ratio(_speed(seen), _speed(view.observed(incumbent))) + ' the incumbent'})", trial, _speed(seen)))
         return stop(None, incumbent)
+
 
     def hopeful(self, view: View, blamed: Sequence[Blame] = (), limit: int = MAX_ENUMERATED) -> list[dict[str, Any]]:
         """Untried configurations that could still beat the best measured one by more than the noise, most hopeful

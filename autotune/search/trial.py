@@ -485,12 +485,24 @@ class Runner:
         attrs: Mapping[str, Any] | None = None,
     ) -> TrialResult:
         """Run one trial; a failure is a typed result, never an exception (KeyboardInterrupt still propagates)."""
-        s = self.settings
         self._count += 1
         tdir = self.work / "trials" / f"{self._count:04d}"
         if tdir.exists():
             shutil.rmtree(tdir)
         tdir.mkdir(parents=True)
+        cmd, cwd, env = self._setup(tdir, config, attrs)
+        started = time.perf_counter()
+        pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start)
+        wall = time.perf_counter() - started
+        out = self._result(tdir, config, role, attrs, (rc, timed_out, hung_at_exit), timeout, wall, pid)
+        shutil.rmtree(tdir, ignore_errors=True)
+        return out
+
+    def _setup(
+        self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None
+    ) -> tuple[list[str], Path, dict[str, str]]:
+        """Write the trial's config and spec into ``tdir``; its command, working directory and environment."""
+        s = self.settings
         knobs = {k: v for k, v in config.items() if k in self.knob_names}
         (tdir / "config.yaml").write_text(yaml.safe_dump({"device": s.device, "knobs": knobs}), encoding="utf-8")
         result_path = tdir / "result.json"
@@ -516,8 +528,16 @@ class Runner:
         env[CONFIG_ENV] = str(tdir / "config.yaml")
         env[TRIAL_ENV] = str(tdir / "spec.json")
         cmd = [*(s.launcher or [sys.executable]), str(self.entry), *s.args]
-        started = time.perf_counter()
-        timed_out = hung_at_exit = False
+        return cmd, cwd, env
+
+    def _execute(
+        self, tdir: Path, cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
+        on_start: Callable[[int], None] | None,
+    ) -> tuple[int, int | None, bool, bool]:
+        """Run the trial's process until it reports, ends or times out, and stop everything it started: (its pid,
+        exit status, timed out, stopped after its result was written)."""
+        s = self.settings
+        result_path = tdir / "result.json"
         reported = functools.partial(_ranks_reported, tdir) if s.launcher else result_path.exists
         # output goes to files, not pipes: a pipe stays open as long as any orphaned DataLoader worker holds it
         others = {p for p, (ppid, _) in _process_table().items() if ppid == os.getpid()}
@@ -533,7 +553,16 @@ class Runner:
             finally:
                 # whatever happened (an interrupt included), nothing the trial started outlives it
                 self._stop(proc, tdir, others)
-        wall = time.perf_counter() - started
+        return proc.pid, rc, timed_out, hung_at_exit
+
+    def _result(
+        self, tdir: Path, config: Mapping[str, Any], role: str, attrs: Mapping[str, Any] | None,
+        ended_how: tuple[int | None, bool, bool], timeout: float, wall: float, pid: int,
+    ) -> TrialResult:
+        """What the trial's files and its exit say, as a typed result."""
+        s = self.settings
+        rc, timed_out, hung_at_exit = ended_how
+        result_path = tdir / "result.json"
         if s.launcher:
             result = merge_ranks(_rank_results(tdir), _started_ranks(tdir))
         else:
@@ -570,14 +599,13 @@ class Runner:
             first_step_s=r.get("first_step_s"),
             window_s=r.get("window_s"),
             wall_s=wall,
-            pid=proc.pid,
+            pid=pid,
             attrs=dict(attrs or {}),
             ranks=int(r.get("ranks") or 1),
             rank_losses=tuple(tuple(tuple(row) for row in rows) for rows in r.get("rank_losses") or ()),
             applied=tuple(r["applied"]) if r.get("applied") is not None else None,
             load=load_average(),
         )
-        shutil.rmtree(tdir, ignore_errors=True)
         return out
 
     @staticmethod
