@@ -273,7 +273,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.report import print_summary, write_outputs
-    from autotune.search.search import report_from_study
+    from autotune.search.from_study import report_from_study
     from autotune.search.storage import STORAGE_ENV, storage_url
 
     script = Path(args.script) if args.script else None

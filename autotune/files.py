@@ -184,3 +184,28 @@ def _roll_back(done: list[tuple[Path, Path | None]]) -> list[str]:
         except (OSError, UsageError):
             stuck.append(str(path))
     return stuck
+
+
+class OutDirLock:
+    """An exclusive lock on an output folder (the file ``name`` in it); the OS drops it when the process dies, so
+    none goes stale."""
+
+    def __init__(self, out: Path, name: str) -> None:
+        self.path = out / name
+        self.file = open(self.path, "w")
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory locks, run one search per folder
+            return
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise UsageError(f"{out}: another autotune search is using this output folder") from None
+
+    def release(self) -> None:
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+        self.file.close()

@@ -288,7 +288,7 @@ def test_report_checks_its_output_folder_first(case, users_folder, tmp_path, cap
     options = SearchOptions(script=TINY, out=tmp_path / "unused", space=Path(_space(tmp_path)), study_name="s")
     search = Search(options, QuietDisplay())
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    StudyStore(open_storage(url), "s", machine="m (cpu)").adopt(search.fingerprint, search.space, search.about())
+    StudyStore(open_storage(url), "s", machine="m (cpu)").adopt(search.fingerprint, search.space, search.ready.about(search.o))
     out = {"not made by autotune": users_folder, **_bad_outs(tmp_path)}[case]
     before = _snapshot(tmp_path)
     assert main(["report", "--storage", url, "--out", str(out)]) == 2

@@ -40,7 +40,7 @@ def _search(tmp_path: Path, script: Path = TINY, **kw) -> Search:
 def _store(search: Search, storage, worker: str, machine: str = "m (cpu)") -> StudyStore:
     """A worker's view of the study; two in one process are told apart by the worker name they write."""
     store = StudyStore(storage, search.study_name, machine=machine)
-    store.adopt(search.fingerprint, search.space, search.about())
+    store.adopt(search.fingerprint, search.space, search.ready.about(search.o))
     store.worker = worker
     return store
 

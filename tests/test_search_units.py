@@ -605,7 +605,7 @@ def test_report_refuses_a_study_whose_space_was_edited_to_hold_code(tmp_path, ca
     search = Search(SearchOptions(script=script, out=tmp_path / "out", space=space, study_name="s"), QuietDisplay())
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     store = StudyStore(open_storage(url), "s", machine="m (cpu)")
-    store.adopt(search.fingerprint, search.space, search.about())
+    store.adopt(search.fingerprint, search.space, search.ready.about(search.o))
     evil = ("none", 'default"); import os; os.system("id')
     about = {**store.study.user_attrs[STUDY_ABOUT], "space": {"compile.mode": list(evil)}}
     store.study.set_user_attr(STUDY_ABOUT, about)

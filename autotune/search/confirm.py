@@ -1,7 +1,9 @@
-"""What interleaved A/B pairs of a candidate and the baseline show: the verdict, from the runs alone."""
+"""Confirmation: the search's best candidates measured against the baseline in interleaved A/B pairs, and what the
+pairs show (the verdict, from the runs alone)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -9,9 +11,16 @@ from typing import Any
 from autotune.search.budget import ALPHA
 from autotune.search.outcome import Confirmation
 from autotune.search.strategy import median_interval, sign_test
-from autotune.search.study import ROLE_CONFIRM
+from autotune.search.space import config_key
+from autotune.search.study import ROLE_CONFIRM, claim_key
 from autotune.search.trial import Outcome, TrialResult
 
+# the search these work on is a Search (search.py), which imports this module: typed loosely to keep the imports
+# one-way
+Search = Any
+
+MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
+MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
 MIN_GAIN = 0.01  # a candidate is kept only when its median speedup is above 1 + this
 UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)  # runs that measured nothing: evidence neither way
 
@@ -85,3 +94,71 @@ def verdict(
     )
 
 
+def confirm_candidates(s: Search) -> list[Confirmation]:
+    """The search's best candidates confirmed in turn on this machine, until one holds (a second one only where
+    the time left covers it)."""
+    out: list[Confirmation] = []
+    if s._nothing_to_confirm():
+        return out  # the descent, ties re-measured in pairs, found nothing faster: nothing to confirm
+    ranked = s.candidates()[:MAX_CANDIDATES]
+    for k, (config, search_speedup) in enumerate(ranked):
+        if k and s._time_left() < s._reserve(config):
+            break  # the time set aside was for the first candidate; a second one runs only if it fits
+        c = confirm_one(s, config, search_speedup, (k + 1, len(ranked)), must=k == 0)
+        out.append(c)
+        if c.accepted:
+            break
+    return out
+
+
+def confirm_one(
+    s: Search, config: dict[str, Any], search_speedup: float, which: tuple[int, int] = (1, 1), must: bool = True
+) -> Confirmation:
+    """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine).
+
+    --confirm measured pairs first (time was set aside for them when ``must``); then, while the interval of the
+    median speedup straddles 1.0, more, up to MORE_PAIRS times as many. A pair starts only where it can finish
+    inside the budget; one that timed out measured nothing and is run again, as time allows.
+    """
+    key = config_key(config)
+    baseline = s.space.baseline()
+    me = s.machine.key
+    stopped = None
+    limit = s.o.confirm * MORE_PAIRS
+    s._reserve_now = 0.0
+    j = 0
+    while True:
+        so_far = s._verdict(config, arms(s.results, key, me), None, search_speedup, me)
+        if so_far.evidence or (len(so_far.ratios) >= s.o.confirm and so_far.settled):
+            break
+        if j >= limit:
+            if len(so_far.ratios) < s.o.confirm:
+                stopped = f"{j} pairs run, {j - len(so_far.ratios)} of them not measured"
+            break
+        pair_cost = s._estimate() + s._cost(config)
+        # the pairs set aside for may use the budget's slack; more than those, or a second candidate, only what
+        # is left of the budget itself
+        end = s.hard_end if must and len(so_far.ratios) < s.o.confirm else s.deadline
+        if s.clock() + pair_cost > end:
+            stopped = "the time budget ran out during confirmation"
+            break
+        order = ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline")
+        for arm in order:
+            s._refresh()
+            what = claim_key(ROLE_CONFIRM, me, key, j, arm)
+            if (j, arm) in arms(s.results, key, me) or what in s._claims:
+                continue  # measured, or being measured by another worker on this machine
+            attrs = {"candidate": key, "pair": j, "arm": arm, "of": list(which)}
+            shown = max(s.o.confirm, len(so_far.ratios) + 1)
+            s.display.confirming(which, min(len(so_far.ratios) + 1, shown), shown, arm)
+            s._trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs, what)
+        j += 1
+    while not stopped:  # runs of this confirmation that other workers on this machine are measuring
+        busy = {c for c in s._claims if json.loads(c)[:3] == [ROLE_CONFIRM, me, key]}
+        if not busy:
+            break
+        if s.clock() > s.hard_end:
+            stopped = "the time budget ran out during confirmation"
+            break
+        s._wait("confirmation run(s) of another worker on this machine", busy)
+    return s._verdict(config, arms(s.results, key, me), stopped, search_speedup, me)

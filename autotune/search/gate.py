@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autotune.knobs import NUMERICS_ORDER, Knob, Numerics
-from autotune.search.trial import TrialResult
+from autotune.search.trial import Outcome, TrialResult
 
 # Relative tolerance per numerics class: (at the first step, added per step, at most). Differences from
 # floating-point reordering start near float32 rounding (~1e-7) and grow as training amplifies them; reduced
@@ -184,3 +184,34 @@ def _judge_window(devs: Sequence[float], tols: Sequence[float]) -> Verdict:
     mean = statistics.fmean(devs[first:])
     passed = mean <= tols[-1]
     return Verdict(passed, mean, tols[-1], None if passed else first + 1, (first + 1, len(devs)))
+
+
+def gated(
+    result: TrialResult, reference: TrialResult, changed: Sequence[Knob], noise: Noise, rtol: float | None,
+    judged: bool = True,
+) -> TrialResult:
+    """``result`` with the gate's verdict against ``reference``: its deviation, and where ``judged`` (a run of the
+    baseline is noise, not judged: it has no tolerance) its status, tolerance and why it failed."""
+    verdict = judge(result.with_(status=Outcome.OK), reference, changed, noise, rtol)
+    if not judged:
+        return result.with_(deviation=verdict.deviation)
+    status = Outcome.OK if verdict.passed else Outcome.DIVERGED
+    error = None
+    if not verdict.passed and math.isnan(verdict.deviation):
+        status = Outcome.UNVERIFIED
+        error = (
+            "the script's loss is not visible to autotune, so its losses cannot be compared: only knobs that "
+            "change no numerics can be taken"
+        )
+    elif not verdict.passed and verdict.window and math.isfinite(verdict.deviation):
+        first, last = verdict.window
+        error = (
+            f"loss off by {verdict.deviation:.2e} relative on average over steps {first}..{last} "
+            f"(tolerance {verdict.tolerance:.1e})"
+        )
+    elif not verdict.passed:
+        error = (
+            f"loss off by {verdict.deviation:.2e} relative (tolerance {verdict.tolerance:.1e}), "
+            f"first at step {verdict.step}"
+        )
+    return result.with_(status=status, deviation=verdict.deviation, tolerance=verdict.tolerance, error=error)

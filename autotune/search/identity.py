@@ -8,11 +8,14 @@ import json
 import os
 import shlex
 from collections.abc import Mapping
+from typing import Any
 
+from autotune.bake import bake
 from autotune.errors import UsageError
 from autotune.patch import PatchResult
+from autotune.project import Project
 from autotune.search.options import SearchOptions
-from autotune.search.space import SearchSpace
+from autotune.search.space import SearchSpace, config_key
 
 
 def resolve_device(device: str) -> str:
@@ -46,6 +49,53 @@ def fingerprint(patch: PatchResult, options: SearchOptions, device: str, space: 
         doc["train_steps"] = options.train_steps
     h.update(json.dumps(doc, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+class Programs:
+    """Which configurations are one program: those that bake into the same code.
+
+    A knob that only matters with another one (the compile mode's ``dynamic`` while compile is off, persistent
+    loader workers without workers) changes nothing in the baked code, so such a configuration is not run again.
+    Each configuration is baked once.
+    """
+
+    def __init__(self, project: Project, device: str, space: SearchSpace) -> None:
+        self.project, self.device, self.space = project, device, space
+        self._codes: dict[str, str | None] = {}
+        self.bake_errors: dict[str, str] = {}  # config key -> why it cannot be baked
+
+    def code_key(self, config: Mapping[str, Any]) -> str | None:
+        """The hash of the code ``config`` bakes into; None when it cannot be baked."""
+        key = config_key(config)
+        if key not in self._codes:
+            try:
+                baked = bake(self.project, config, self.device)
+            except Exception as exc:  # a transform bug: the configuration cannot be delivered, so it is not tried
+                self.bake_errors[key] = f"{type(exc).__name__}: {exc}"
+                self._codes[key] = None
+            else:
+                h = hashlib.sha256()
+                for f in baked.files:
+                    h.update(f.rel.as_posix().encode() + b"\0" + f.new_text.encode() + b"\0")
+                self._codes[key] = h.hexdigest()
+        return self._codes[key]
+
+    def program(self, config: Mapping[str, Any]) -> str:
+        """The key that says two configurations are one program (their code, or the configuration itself)."""
+        return self.code_key(config) or config_key(config)
+
+    def canonical(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``config`` with every change that bakes to no different code put back to its default.
+
+        (``compile.scope=blocks`` while compile is off, persistent workers without workers: no part of the result.)
+        """
+        out = dict(config)
+        code = self.code_key(out)
+        for knob in self.space.changed(out):
+            trial = {**out, knob.name: knob.default}
+            if self.code_key(trial) == code:
+                out = trial
+        return out
 
 
 def thread_counts(env: Mapping[str, str | None], launched: bool) -> tuple[int, int]:

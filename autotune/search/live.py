@@ -163,7 +163,7 @@ class SearchDisplay:
     def label(self, config: Mapping[str, Any]) -> str:
         """A configuration by the knobs that change the program (compile.scope without compile is no change)."""
         if self.search is not None:
-            return label(self.search.canonical(config), self.search.space)
+            return label(self.search.programs.canonical(config), self.search.space)
         return changed_text(config, self.defaults)
 
     def trial_started(self, config: Mapping[str, Any], role: str) -> None:

@@ -39,6 +39,28 @@ class Prepared:
     fingerprint: str  # the patched code, arguments, device, run lengths and space: runs with one are comparable
     study_name: str
 
+    def about(self, options: SearchOptions) -> dict[str, Any]:
+        """What the study is made from, stored in it so that ``autotune report`` can set the search up again."""
+        return {
+            "script": str(options.script.resolve()),
+            "args": list(options.args),
+            "device": self.device,
+            "steps": options.steps,
+            "warmup": options.warmup,
+            "trials": options.trials,
+            "time_budget": options.budget,
+            "confirm": options.confirm,
+            "rtol": options.rtol,
+            "seed": options.seed,
+            "env": dict(options.env),
+            "launcher": options.launcher,
+            "space": self.space.describe(),
+            "left_out": dict(self.space.left_out),
+            "start": {n: self.strategy.start[n] for n in self.strategy.start_order},
+            "expensive": {n: [v for m, v in self.strategy.expensive if m == n] for n, _ in self.strategy.expensive},
+            "train_steps": options.train_steps,
+        }
+
 
 def check_options(options: SearchOptions) -> None:
     """Refuse, with one line each, the options no search can run with."""

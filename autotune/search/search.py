@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -15,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.bake import bake
-from autotune.files import claim_out_dir
+from autotune.files import OutDirLock, claim_out_dir
 from autotune.search.budget import (
     MIN_PAIRS,
     OUTPUT_S,
@@ -27,11 +25,11 @@ from autotune.search.budget import (
     fit,
     run_cost,
 )
-from autotune.search.gate import Noise, judge, measure_noise
-from autotune.search.identity import thread_counts
-from autotune.search.live import QuietDisplay
+from autotune.search.credit import knob_worth, startup
+from autotune.search.gate import Noise, gated, measure_noise
+from autotune.search.identity import Programs, thread_counts
 from autotune.search.options import SearchFailed, SearchInterrupted, SearchOptions
-from autotune.search.confirm import arms, verdict
+from autotune.search.confirm import confirm_candidates, verdict
 from autotune.search.prepare import prepare
 from autotune.search.outcome import (
     Confirmation,
@@ -43,10 +41,9 @@ from autotune.search.outcome import (
     train_time,
 )
 from autotune.search.machine import Machine, this_machine
-from autotune.search.space import (
-    config_key,
-)
-from autotune.search.strategy import Observation, Plan, label
+from autotune.search.space import config_key
+from autotune.search.strategy import Plan, label
+from autotune.search.view import StudyView
 from autotune.search.storage import open_storage
 from autotune.search.study import (
     ROLE_BASELINE,
@@ -55,6 +52,7 @@ from autotune.search.study import (
     ROLE_PERTURBED,
     ROLE_SEARCH,
     StudyStore,
+    claim_key,
 )
 from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, unreached
 
@@ -68,43 +66,11 @@ TIMEOUT_FACTOR = 5.0
 COMPILE_MIN_TIMEOUT_S = 900.0
 MAX_HOPEFUL = 50  # hopeful configurations looked at (baked) for one not measured yet
 MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row before enumerating instead
-MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
-MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
 NOISY = 0.25  # baseline runs whose step times differ by more than this (relative) make a verdict unreliable
-MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
-MAX_MARGIN = 0.5
 COMPILE_GUESS_S = 60.0  # the compile time expected of a first compiling trial, before any was measured
 EXPENSIVE_FACTOR = 10.0  # an expensive choice (max-autotune) is expected to compile this many times longer
 EXPENSIVE_MIN_S = 300.0
-# runs that measured nothing through no fault of the configuration: no evidence either way
 WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
-
-
-# --- setting up ----------------------------------------------------------------------------------------------
-
-
-class _Lock:
-    """An exclusive lock on the output folder; the OS drops it when the process dies, so none goes stale."""
-
-    def __init__(self, out: Path) -> None:
-        self.path = out / LOCK_NAME
-        self.file = open(self.path, "w")
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows: no advisory locks, run one search per folder
-            return
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.close()
-            raise UsageError(f"{out}: another autotune search is using this output folder") from None
-
-    def release(self) -> None:
-        try:
-            self.path.unlink()
-        except OSError:
-            pass
-        self.file.close()
 
 
 # --- the search ------------------------------------------------------------------------------------------------
@@ -119,7 +85,7 @@ class Search:
     def __init__(self, options: SearchOptions, display, about: Mapping[str, Any] | None = None) -> None:
         self.o = options
         self.display = display
-        ready = prepare(options, about)
+        self.ready = ready = prepare(options, about)
         self.project, self.device, self.launcher, self.patch = ready.project, ready.device, ready.launcher, ready.patch
         self.space, self.strategy, self.out = ready.space, ready.strategy, ready.out
         self.fingerprint, self.study_name = ready.fingerprint, ready.study_name
@@ -134,8 +100,7 @@ class Search:
         self._claims: set[str] = set()  # what other workers are measuring now
         self._taken: set[str] = set()  # of that, the programs (code keys) of search trials
         self._waiting: frozenset[str] = frozenset()
-        self._codes: dict[str, str | None] = {}
-        self._bake_errors: dict[str, str] = {}
+        self.programs = Programs(self.project, self.device, self.space)  # which configurations bake alike
         self.clock = time.monotonic  # (tests put a fake clock and runner here)
         self.runner_factory = Runner
         self.started = self.clock()
@@ -145,28 +110,6 @@ class Search:
         self.fit_note: str | None = None  # what fitting the budget gave up
         self.reserved_s: float | None = None
         self.plan: Plan | None = None
-
-    def about(self) -> dict[str, Any]:
-        """What the study is made from, stored in it so that ``autotune report`` can rebuild this search."""
-        return {
-            "script": str(self.o.script.resolve()),
-            "args": list(self.o.args),
-            "device": self.device,
-            "steps": self.o.steps,
-            "warmup": self.o.warmup,
-            "trials": self.o.trials,
-            "time_budget": self.o.budget,
-            "confirm": self.o.confirm,
-            "rtol": self.o.rtol,
-            "seed": self.o.seed,
-            "env": dict(self.o.env),
-            "launcher": self.o.launcher,
-            "space": self.space.describe(),
-            "left_out": dict(self.space.left_out),
-            "start": {n: self.strategy.start[n] for n in self.strategy.start_order},
-            "expensive": {n: [v for m, v in self.strategy.expensive if m == n] for n, _ in self.strategy.expensive},
-            "train_steps": self.o.train_steps,
-        }
 
     # --- the parts ---------------------------------------------------------------------------------------------
 
@@ -182,7 +125,7 @@ class Search:
         # a storage of the user's is opened first: one it refuses leaves nothing behind, not even the output folder
         storage = open_storage(self.o.storage) if self.o.storage is not None else None
         claim_out_dir(self.out)
-        lock = _Lock(self.out)
+        lock = OutDirLock(self.out, LOCK_NAME)
         env = dict(self.o.env)
         if self.device == "cpu":
             env.setdefault("CUDA_VISIBLE_DEVICES", "")  # tune for the CPU even where a GPU is present
@@ -201,7 +144,7 @@ class Search:
             self.storage_desc = storage.description
             self.machine = this_machine(self.device, env)
             self.store = StudyStore(storage, self.study_name, seed=self.o.seed, machine=self.machine.key)
-            self.store.adopt(self.fingerprint, self.space, self.about())
+            self.store.adopt(self.fingerprint, self.space, self.ready.about(self.o))
             self.lengths = self.store.lengths() or self.lengths
             self.runner = self.runner_factory(
                 self.patch,
@@ -216,7 +159,7 @@ class Search:
             try:
                 stopped = self._explore()
                 self.reserved_s = self._reserve() if math.isfinite(self.deadline) else None
-                confirmations = self._confirm()
+                confirmations = confirm_candidates(self)
             except KeyboardInterrupt:
                 done = len(self.store.results())
                 raise SearchInterrupted(
@@ -236,46 +179,6 @@ class Search:
         self._refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
         winner = next((c for c in confirmations if c.accepted), None)
         return self._outcome(stopped, confirmations, winner, self.machine.key, self.clock() - self.started)
-
-    def report(self, store: StudyStore) -> SearchOutcome:
-        """What ``store``'s study found, as a search's outcome, without running anything (``autotune report``)."""
-        if store.fingerprint != self.fingerprint:
-            raise UsageError(
-                f"{self.o.script}: the script (or a module it imports, or autotune itself) changed since study "
-                f"'{store.name}' was made; the report needs the code that was searched"
-            )
-        self.store = store
-        self.storage_desc = store.storage.description
-        self.lengths = store.lengths() or self.lengths
-        self.results = self._admit(store.results())
-        if not self.results:
-            raise UsageError(f"study '{store.name}' has no finished trials yet")
-        self.plan = self.strategy.plan(self.view())
-        speeds = {config_key(c): s for c, s in self.candidates()}
-        arms: dict[tuple[str, str], dict[tuple[int, str], TrialResult]] = {}
-        for r in self.results:
-            if r.role == ROLE_CONFIRM:
-                key = str(r.attrs.get("candidate"))
-                arms.setdefault((r.machine, key), {})[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
-        confirmations = []
-        for (machine, key), got in arms.items():
-            config = next((r.config for (_, arm), r in got.items() if arm == "candidate"), None)
-            if config is not None:  # (a pair stopped before its candidate ran confirms nothing)
-                confirmations.append(self._verdict(dict(config), got, None, speeds.get(key), machine))
-        accepted = [c for c in confirmations if c.accepted]
-        winner = max(accepted, key=lambda c: c.speedup) if accepted else None
-        if winner:
-            machine = winner.machine
-        elif confirmations:
-            machine = confirmations[0].machine
-        else:  # the machine with the most baseline runs: its noise is the best known
-            machine = max(
-                (r.machine for r in self.results), key=lambda m: len(self._baselines(m)), default=""
-            )
-        self._reported = machine
-        machines = len({r.machine for r in self.results})
-        stopped = f"reported from the study ({len(self.results)} runs on {machines} machine(s); no trial run)"
-        return self._outcome(stopped, confirmations, winner, machine, store.span_s(), from_study=True)
 
     def _outcome(
         self, stopped, confirmations, winner, machine: str, wall_s: float, from_study: bool = False
@@ -301,9 +204,9 @@ class Search:
             machine=machine,
             from_study=from_study,
             plan=self.plan,
-            labels={r.number: label(self.canonical(r.config), self.space) for r in results if r.number is not None},
-            interactions=self._interactions(winner.config) if winner else (),
-            startup=self._startup(winner) if winner else None,
+            labels={r.number: label(self.programs.canonical(r.config), self.space) for r in results if r.number is not None},
+            interactions=knob_worth(self.view(), self.space, winner.config) if winner else (),
+            startup=startup(winner, self._compiles(winner.config), self.o.warmup, self.o.train_steps) if winner else None,
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
             foreign=dict(self.foreign),
@@ -317,58 +220,6 @@ class Search:
         if spread is None or spread <= NOISY:
             return None
         return noise_warning(spread, self._all_baselines(machine), self.threads)
-
-    def _interactions(self, config: Mapping[str, Any]) -> tuple[str, ...]:
-        """What each knob ``config`` changes is worth to it: what taking the knob out costs, from the A/B pairs that
-        compared the two where the search ran them, else from their single runs, with the noise they carry
-        (``sdpa.attention=sdpa: worth 1.41x (3 A/B pairs, 1.32x to 1.50x)``)."""
-        view = self.view()
-        mine = view.observed(config)
-        out = []
-        for knob in self.space.changed(config):
-            without = self.canonical({**config, knob.name: knob.default})
-            if view.same(without, config):
-                continue
-            runs = view.duel(config, without)
-            ratios = [a / b for j in sorted({j for j, _ in runs}) if (a := runs.get((j, "a"))) and (b := runs.get((j, "b")))]
-            if not ratios:  # a duel the other way round (the knob's removal was the more complex one: never)
-                back = view.duel(without, config)
-                ratios = [b / a for j in sorted({j for j, _ in back})
-                          if (a := back.get((j, "a"))) and (b := back.get((j, "b")))]
-            other = view.observed(without)
-            if ratios:
-                text = (f"worth {statistics.median(ratios):.2f}x ({len(ratios)} A/B pairs against it without, "
-                        f"{min(ratios):.2f}x to {max(ratios):.2f}x)")
-            elif other is not None and other.ok and other.speedup and mine is not None and mine.speedup:
-                noise = _margin(self._baselines())
-                text = (f"worth about {mine.speedup / other.speedup:.2f}x (one run each, with and without it; "
-                        f"runs here differ by up to {100 * noise:.0f}%)")
-            elif other is not None and not other.ok:
-                text = f"needed: without it the run {other.status}"
-            else:
-                text = "not measured without it (the time ran out before the descent got to it)"
-            out.append(f"{knob.name}={config[knob.name]}: {text}")
-        return tuple(out)
-
-    def _startup(self, winner: Confirmation) -> str | None:
-        """The chosen configuration's one-time start-up beyond the baseline's (compilation) and when it pays off,
-        from its A/B pairs: the runs the verdict rests on."""
-        runs = [r for r in winner.candidate if r.measured]
-        base = [r for r in winner.baseline if r.measured]
-        if not runs or not base or not self._compiles(winner.config):
-            return None
-        w = self.o.warmup
-        extra = statistics.median(train_time(r, 0, w) for r in runs) - statistics.median(train_time(b, 0, w) for b in base)
-        gain = statistics.median(b.step_time for b in base) - statistics.median(r.step_time for r in runs)
-        if extra <= 0:
-            return None
-        if gain <= 0:
-            return f"start-up {extra:.0f}s longer than the baseline's (compilation), and no faster per step"
-        steps = math.ceil(extra / gain)
-        return (
-            f"start-up {extra:.0f}s longer than the baseline's (compilation): it pays for itself after {steps} steps"
-            + (f" (your run: {self.o.train_steps})" if self.o.train_steps else "")
-        )
 
     def _refresh(self) -> None:
         """The study as it is now: every worker's finished trials, and what the other workers are measuring."""
@@ -422,7 +273,7 @@ class Search:
     def _cost(self, config: Mapping[str, Any]) -> float:
         """Seconds a run of ``config`` is expected to take: the baseline's, plus its compile time if it compiles."""
         base = self._estimate()
-        measured = self.measured().get(self.program(config))
+        measured = self.measured().get(self.programs.program(config))
         if measured is not None and measured.wall_s:
             return self._scaled(measured)
         if not self._compiles(config):
@@ -469,37 +320,12 @@ class Search:
         """How many distinct configurations (the baseline included) the study measures at most, by all its workers."""
         return min(self.o.trials, self.space.size) if self.o.trials is not None else None
 
-    def code_key(self, config: Mapping[str, Any]) -> str | None:
-        """The hash of the code ``config`` bakes into: configurations that bake alike are one program.
-
-        A knob that only matters with another one (the compile mode's ``dynamic`` while compile is off, persistent
-        loader workers without workers) changes nothing in the baked code, so such a configuration is not run
-        again. None when the configuration cannot be baked.
-        """
-        key = config_key(config)
-        if key not in self._codes:
-            try:
-                baked = bake(self.project, config, self.device)
-            except Exception as exc:  # a transform bug: the configuration cannot be delivered, so it is not tried
-                self._bake_errors[key] = f"{type(exc).__name__}: {exc}"
-                self._codes[key] = None
-            else:
-                h = hashlib.sha256()
-                for f in baked.files:
-                    h.update(f.rel.as_posix().encode() + b"\0" + f.new_text.encode() + b"\0")
-                self._codes[key] = h.hexdigest()
-        return self._codes[key]
-
-    def program(self, config: Mapping[str, Any]) -> str:
-        """The key that says two configurations are one program (their code, or the configuration itself)."""
-        return self.code_key(config) or config_key(config)
-
     def measured(self) -> dict[str, TrialResult]:
         """The programs already measured on any machine (baseline and search trials): program -> first result."""
         out: dict[str, TrialResult] = {}
         for r in self.results:
             if r.role in (ROLE_BASELINE, ROLE_SEARCH) and r.status is not Outcome.INTERRUPTED:
-                out.setdefault(self.program(r.config), r)
+                out.setdefault(self.programs.program(r.config), r)
         return out
 
     # noise and the gate: each machine's runs against that machine's baseline runs only
@@ -541,31 +367,9 @@ class Search:
         ref = self._reference(result.machine)
         if ref is None or not result.measured or result is ref:
             return result
-        noise = noise or self._noise(result.machine)
         changed = self.space.changed(result.config)
-        verdict = judge(result.with_(status=Outcome.OK), ref, changed, noise, self.o.rtol)
-        if result.role in (ROLE_BASELINE, ROLE_PERTURBED) or (result.role == ROLE_CONFIRM and not changed):
-            return result.with_(deviation=verdict.deviation)  # noise, not judged: no tolerance to show
-        status = Outcome.OK if verdict.passed else Outcome.DIVERGED
-        error = None
-        if not verdict.passed and math.isnan(verdict.deviation):
-            status = Outcome.UNVERIFIED
-            error = (
-                "the script's loss is not visible to autotune, so its losses cannot be compared: only knobs that "
-                "change no numerics can be taken"
-            )
-        elif not verdict.passed and verdict.window and math.isfinite(verdict.deviation):
-            first, last = verdict.window
-            error = (
-                f"loss off by {verdict.deviation:.2e} relative on average over steps {first}..{last} "
-                f"(tolerance {verdict.tolerance:.1e})"
-            )
-        elif not verdict.passed:
-            error = (
-                f"loss off by {verdict.deviation:.2e} relative (tolerance {verdict.tolerance:.1e}), "
-                f"first at step {verdict.step}"
-            )
-        return result.with_(status=status, deviation=verdict.deviation, tolerance=verdict.tolerance, error=error)
+        judged = not (result.role in (ROLE_BASELINE, ROLE_PERTURBED) or (result.role == ROLE_CONFIRM and not changed))
+        return gated(result, ref, changed, noise or self._noise(result.machine), self.o.rtol, judged)
 
     def _regate(self, results: list[TrialResult]) -> list[TrialResult]:
         """Every trial judged again with the noise measured over the whole study on its machine."""
@@ -613,12 +417,12 @@ class Search:
 
     def _run(self, trial, role: str, attrs: Mapping[str, Any] | None, claim: str | None) -> TrialResult | None:
         config = self.store.params(trial)
-        code = self.code_key(config)
+        code = self.programs.code_key(config)
         if role == ROLE_SEARCH:
-            claim = _claim(ROLE_SEARCH, self.program(config))
+            claim = claim_key(ROLE_SEARCH, self.programs.program(config))
         self.store.label(trial, role, claim)
         if role == ROLE_SEARCH:
-            earlier = self.measured().get(self.program(config))
+            earlier = self.measured().get(self.programs.program(config))
             if earlier is not None:
                 self.store.reuse(trial, earlier, self._value(earlier))
                 return None
@@ -629,7 +433,7 @@ class Search:
         self.display.trial_started(config, role)
         timeout, cut = self._timeout(config, self._reserve_now)
         if code is None:
-            error = f"autotune cannot write this configuration as code: {self._bake_errors[config_key(config)]}"
+            error = f"autotune cannot write this configuration as code: {self.programs.bake_errors[config_key(config)]}"
             result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
         else:
             result = self.runner.run(
@@ -682,15 +486,15 @@ class Search:
 
     # exploring the space
 
-    def view(self) -> "_View":
+    def view(self) -> StudyView:
         """The study as the strategy sees it (rebuilt after each refresh)."""
-        return _View(self)
+        return StudyView(self)
 
     def _unmeasured(self) -> dict[str, Any] | None:
         """The first configuration, in the space's order, whose program nobody measured or is measuring."""
         measured = self.measured()
         for c in self.space.configs():
-            key = self.program(c)
+            key = self.programs.program(c)
             if key not in measured and key not in self._taken:
                 return c
         return None
@@ -730,7 +534,7 @@ class Search:
                     return f"all {self.space.size} configurations measured"
                 return f"trial budget reached ({target} configurations)"
             self.plan = self.strategy.plan(self.view())
-            ready = [p for p in (self.plan.ready if self.plan else ()) if self.program(p.config) not in self._taken]
+            ready = [p for p in (self.plan.ready if self.plan else ()) if self.programs.program(p.config) not in self._taken]
             attrs = {"phase": ready[0].phase, "why": ready[0].why} if ready else {"phase": "sample"}
             config = ready[0].config if ready else None
             if self.plan.done and not ready:
@@ -771,9 +575,9 @@ class Search:
                 continue
             if ready and ready[0].duel is not None:
                 a, b, pair, arm = ready[0].duel
-                keys = [self.program(a), self.program(b)]
+                keys = [self.programs.program(a), self.programs.program(b)]
                 attrs = {"duel": keys, "pair": pair, "arm": arm, "why": ready[0].why}
-                self._trial(config, ROLE_DUEL, attrs, _claim(ROLE_DUEL, self.machine.key, *keys, pair, arm))
+                self._trial(config, ROLE_DUEL, attrs, claim_key(ROLE_DUEL, self.machine.key, *keys, pair, arm))
                 continue
             got = self._trial(config, ROLE_SEARCH, attrs)
             self._duplicates = self._duplicates + 1 if got is None and config is None else 0
@@ -782,7 +586,7 @@ class Search:
         """The most hopeful untried configuration the time left covers (see ``StrongStart.hopeful``), with why."""
         measured = self.measured()
         for config in self.strategy.hopeful(self.view(), self.plan.blamed if self.plan else ())[:MAX_HOPEFUL]:
-            key = self.program(config)
+            key = self.programs.program(config)
             if key not in measured and key not in self._taken and self.affordable(config):
                 why = "after the descent: an untried configuration the measured knob changes leave hope for"
                 return config, {"phase": "hope", "why": why}
@@ -800,7 +604,7 @@ class Search:
         """Whether the descent stands at the baseline: its steps, ties re-measured in pairs, found nothing faster
         (a single fast run it did not keep is no candidate)."""
         plan = self.plan
-        return plan is not None and self.program(plan.incumbent) == self.program(self.space.baseline())
+        return plan is not None and self.programs.program(plan.incumbent) == self.programs.program(self.space.baseline())
 
     def _out_of_time(self, untried: str = "") -> str:
         said = f" ({untried})" if untried else ""
@@ -842,104 +646,22 @@ class Search:
         """
         results = self._regate(self.results)
         best: dict[str, tuple[dict[str, Any], float]] = {}
-        baseline_code = self.code_key(self.space.baseline())
+        baseline_code = self.programs.code_key(self.space.baseline())
         for r in results:
             if r.role != ROLE_SEARCH or r.status is not Outcome.OK or r.number is None:
                 continue
             speed = self._value(r)
-            key = self.code_key(r.config)
+            key = self.programs.code_key(r.config)
             if key is None or key == baseline_code:
                 continue
             if key not in best or speed > best[key][1]:
-                best[key] = (self.canonical(r.config), speed)
+                best[key] = (self.programs.canonical(r.config), speed)
         ranked = sorted(best.values(), key=lambda cs: -cs[1])
         plan = self.plan
         if plan is not None:  # the strategy's choice leads: the descent weighed the noise, a single fast run did not
-            inc = self.code_key(plan.incumbent)
-            ranked.sort(key=lambda cs: self.code_key(cs[0]) != inc)
+            inc = self.programs.code_key(plan.incumbent)
+            ranked.sort(key=lambda cs: self.programs.code_key(cs[0]) != inc)
         return [(c, s) for c, s in ranked if s > 1.0]
-
-    def canonical(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        """``config`` with every change that bakes to no different code put back to its default.
-
-        (``compile.scope=blocks`` while compile is off, persistent workers without workers: no part of the result.)
-        """
-        out = dict(config)
-        code = self.code_key(out)
-        for knob in self.space.changed(out):
-            trial = {**out, knob.name: knob.default}
-            if self.code_key(trial) == code:
-                out = trial
-        return out
-
-    def _confirm(self) -> list[Confirmation]:
-        out = []
-        if self._nothing_to_confirm():
-            return out  # the descent, ties re-measured in pairs, found nothing faster: nothing to confirm
-        ranked = self.candidates()[:MAX_CANDIDATES]
-        for k, (config, search_speedup) in enumerate(ranked):
-            if k and self._time_left() < self._reserve(config):
-                break  # the time set aside was for the first candidate; a second one runs only if it fits
-            c = self._confirm_one(config, search_speedup, (k + 1, len(ranked)), must=k == 0)
-            out.append(c)
-            if c.accepted:
-                break
-        return out
-
-    def _arms(self, key: str, machine: str) -> dict[tuple[int, str], TrialResult]:
-        return arms(self.results, key, machine)
-
-    def _confirm_one(
-        self, config: dict[str, Any], search_speedup: float, which: tuple[int, int] = (1, 1), must: bool = True
-    ) -> Confirmation:
-        """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine).
-
-        --confirm measured pairs first (time was set aside for them when ``must``); then, while the interval of the
-        median speedup straddles 1.0, more, up to MORE_PAIRS times as many. A pair starts only where it can finish
-        inside the budget; one that timed out measured nothing and is run again, as time allows.
-        """
-        key = config_key(config)
-        baseline = self.space.baseline()
-        me = self.machine.key
-        stopped = None
-        limit = self.o.confirm * MORE_PAIRS
-        self._reserve_now = 0.0
-        j = 0
-        while True:
-            so_far = self._verdict(config, self._arms(key, me), None, search_speedup, me)
-            if so_far.evidence or (len(so_far.ratios) >= self.o.confirm and so_far.settled):
-                break
-            if j >= limit:
-                if len(so_far.ratios) < self.o.confirm:
-                    stopped = f"{j} pairs run, {j - len(so_far.ratios)} of them not measured"
-                break
-            pair_cost = self._estimate() + self._cost(config)
-            # the pairs set aside for may use the budget's slack; more than those, or a second candidate, only what
-            # is left of the budget itself
-            end = self.hard_end if must and len(so_far.ratios) < self.o.confirm else self.deadline
-            if self.clock() + pair_cost > end:
-                stopped = "the time budget ran out during confirmation"
-                break
-            order = ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline")
-            for arm in order:
-                self._refresh()
-                claim = _claim(ROLE_CONFIRM, me, key, j, arm)
-                if (j, arm) in self._arms(key, me) or claim in self._claims:
-                    continue  # measured, or being measured by another worker on this machine
-                attrs = {"candidate": key, "pair": j, "arm": arm, "of": list(which)}
-                shown = max(self.o.confirm, len(so_far.ratios) + 1)
-                self.display.confirming(which, min(len(so_far.ratios) + 1, shown), shown, arm)
-                self._trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs, claim)
-            j += 1
-        while not stopped:  # runs of this confirmation that other workers on this machine are measuring
-            busy = {c for c in self._claims if json.loads(c)[:3] == [ROLE_CONFIRM, me, key]}
-            if not busy:
-                break
-            if self.clock() > self.hard_end:
-                stopped = "the time budget ran out during confirmation"
-                break
-            self._wait("confirmation run(s) of another worker on this machine", busy)
-        return self._verdict(config, self._arms(key, me), stopped, search_speedup, me)
 
     def _verdict(
         self,
@@ -952,78 +674,6 @@ class Search:
         return verdict(config, got, stopped, search_speedup, machine, self.o.confirm, self._speed)
 
 
-class _View:
-    """The study as the strategy sees it: each program's first measurement, gated against the whole study's noise."""
-
-    def __init__(self, search: Search) -> None:
-        self.s = search
-        self.space = search.space
-        base_key = search.program(search.space.baseline())
-        self._obs: dict[str, Observation] = {}
-        self._configs: dict[str, dict[str, Any]] = {}
-        for r in search._regate(search.results):
-            if r.role not in (ROLE_BASELINE, ROLE_SEARCH) or r.status is Outcome.INTERRUPTED:
-                continue  # (a run the end of the budget stopped measured nothing)
-            key = search.program(r.config)
-            if key in self._obs:
-                continue
-            self._configs[key] = search.canonical(r.config)
-            if key == base_key:
-                self._obs[key] = Observation(True, 1.0)
-            else:
-                ok = r.status is Outcome.OK
-                idle = tuple(unreached(r.with_(status=Outcome.OK), search.space.changed(r.config))) \
-                    if r.status is Outcome.UNREACHED else ()
-                self._obs[key] = Observation(ok, search._value(r) if ok else None, str(r.status), r.error, idle)
-        self._threshold = _margin(search._baselines())
-
-    def observed(self, config):
-        return self._obs.get(self.s.program(config))
-
-    def canonical(self, config):
-        return self.s.canonical(config)
-
-    def same(self, a, b) -> bool:
-        return self.s.program(a) == self.s.program(b)
-
-    def threshold(self) -> float:
-        return self._threshold
-
-    def affordable(self, config) -> bool:
-        return self.s.affordable(config)
-
-    def costly(self, config) -> bool:
-        return self.s._compiles(config)
-
-    def measured(self):
-        return [(self._configs[k], o) for k, o in self._obs.items()]
-
-    def duel(self, a, b):
-        keys = [self.s.program(a), self.s.program(b)]
-        me = self.s._mine()
-        out: dict[tuple[int, str], float | None] = {}
-        for r in self.s.results:
-            if r.role == ROLE_DUEL and r.machine == me and r.attrs.get("duel") == keys:
-                ok = r.status is Outcome.OK and r.measured
-                out[(int(r.attrs.get("pair", 0)), str(r.attrs.get("arm")))] = self.s._speed(r) if ok else None
-        return out
-
-
-def _margin(baselines: list[TrialResult]) -> float:
-    """How much faster a change must be to count: twice the spread (standard deviation of log step time) of the
-    baseline runs, within [MIN_MARGIN, MAX_MARGIN]."""
-    times = [b.step_time for b in baselines if b.step_time]
-    if len(times) < 2:
-        return MIN_MARGIN
-    sd = statistics.stdev(math.log(x) for x in times)
-    return min(max(2 * sd, MIN_MARGIN), MAX_MARGIN)
-
-
-def _claim(*parts: Any) -> str:
-    """What a trial claims, as text: (search, program) or (confirm, machine, candidate, pair, arm)."""
-    return json.dumps(list(parts))
-
-
 def _raise_interrupt(signum, frame):  # SIGINT and SIGTERM end a search alike: trials stopped, study kept
     raise KeyboardInterrupt
 
@@ -1031,44 +681,3 @@ def _raise_interrupt(signum, frame):  # SIGINT and SIGTERM end a search alike: t
 def run_search(options: SearchOptions, display) -> SearchOutcome:
     """Run a search; the caller writes the outputs (report.write_outputs) from what it returns."""
     return Search(options, display).run()
-
-
-def report_from_study(storage: str, study_name: str | None, out: Path, script: Path | None = None) -> SearchOutcome:
-    """What a study holds, as the outcome of the search that made it, without running a trial (autotune report)."""
-    opened = open_storage(storage, must_exist=True)
-    name = study_name or _only_study(opened)
-    store = StudyStore(opened, name, create=False)
-    about = store.about()
-    path = script or Path(about["script"])
-    if not path.is_file():
-        raise UsageError(f"{path}: study '{name}' was made from this script, which is not here (pass --script PATH)")
-    options = SearchOptions(
-        script=path,
-        args=tuple(about["args"]),
-        out=out,
-        trials=int(about["trials"]) if about.get("trials") is not None else None,
-        time_budget=about.get("time_budget"),
-        train_steps=about.get("train_steps"),
-        steps=int(about["steps"]),
-        warmup=int(about["warmup"]),
-        device=str(about["device"]),
-        storage=storage,
-        study_name=name,
-        rtol=about.get("rtol"),
-        confirm=int(about["confirm"]),
-        seed=int(about.get("seed") or 0),
-        env=dict(about.get("env") or {}),
-        launcher=about.get("launcher"),
-    )
-    return Search(options, QuietDisplay(), about=about).report(store)
-
-
-def _only_study(storage) -> str:
-    import optuna
-
-    names = optuna.get_all_study_names(storage.optuna)
-    if len(names) == 1:
-        return names[0]
-    if not names:
-        raise UsageError(f"{storage.description} holds no study")
-    raise UsageError(f"{storage.description} holds several studies: pass --study-name ({', '.join(sorted(names))})")

@@ -441,3 +441,8 @@ def _known_studies(storage: Storage) -> str:
     except Exception:
         return ""
     return f" (it has: {', '.join(sorted(names))})" if names else " (it has no studies)"
+
+
+def claim_key(*parts: Any) -> str:
+    """What a trial claims, as text: (search, program) or (confirm, machine, candidate, pair, arm)."""
+    return json.dumps(list(parts))

@@ -1,0 +1,64 @@
+"""What the chosen configuration's parts are worth: each knob's share of the win, and the start-up it costs."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from autotune.search.outcome import Confirmation, train_time
+from autotune.search.space import SearchSpace
+from autotune.search.view import StudyView
+
+
+def knob_worth(view: StudyView, space: SearchSpace, config: Mapping[str, Any]) -> tuple[str, ...]:
+    """What each knob ``config`` changes is worth to it: what taking the knob out costs, from the A/B pairs that
+    compared the two where the search ran them, else from their single runs, with the noise they carry
+    (``sdpa.attention=sdpa: worth 1.41x (3 A/B pairs, 1.32x to 1.50x)``)."""
+    mine = view.observed(config)
+    out = []
+    for knob in space.changed(config):
+        without = view.canonical({**config, knob.name: knob.default})
+        if view.same(without, config):
+            continue
+        runs = view.duel(config, without)
+        ratios = [a / b for j in sorted({j for j, _ in runs}) if (a := runs.get((j, "a"))) and (b := runs.get((j, "b")))]
+        if not ratios:  # a duel the other way round (the knob's removal was the more complex one: never)
+            back = view.duel(without, config)
+            ratios = [b / a for j in sorted({j for j, _ in back})
+                      if (a := back.get((j, "a"))) and (b := back.get((j, "b")))]
+        other = view.observed(without)
+        if ratios:
+            text = (f"worth {statistics.median(ratios):.2f}x ({len(ratios)} A/B pairs against it without, "
+                    f"{min(ratios):.2f}x to {max(ratios):.2f}x)")
+        elif other is not None and other.ok and other.speedup and mine is not None and mine.speedup:
+            text = (f"worth about {mine.speedup / other.speedup:.2f}x (one run each, with and without it; "
+                    f"runs here differ by up to {100 * view.threshold():.0f}%)")
+        elif other is not None and not other.ok:
+            text = f"needed: without it the run {other.status}"
+        else:
+            text = "not measured without it (the time ran out before the descent got to it)"
+        out.append(f"{knob.name}={config[knob.name]}: {text}")
+    return tuple(out)
+
+
+def startup(winner: Confirmation, compiles: bool, warmup: int, train_steps: int | None) -> str | None:
+    """The chosen configuration's one-time start-up beyond the baseline's (compilation) and when it pays off,
+    from its A/B pairs: the runs the verdict rests on."""
+    runs = [r for r in winner.candidate if r.measured]
+    base = [r for r in winner.baseline if r.measured]
+    if not runs or not base or not compiles:
+        return None
+    w = warmup
+    extra = statistics.median(train_time(r, 0, w) for r in runs) - statistics.median(train_time(b, 0, w) for b in base)
+    gain = statistics.median(b.step_time for b in base) - statistics.median(r.step_time for r in runs)
+    if extra <= 0:
+        return None
+    if gain <= 0:
+        return f"start-up {extra:.0f}s longer than the baseline's (compilation), and no faster per step"
+    steps = math.ceil(extra / gain)
+    return (
+        f"start-up {extra:.0f}s longer than the baseline's (compilation): it pays for itself after {steps} steps"
+        + (f" (your run: {train_steps})" if train_steps else "")
+    )

@@ -1,0 +1,86 @@
+"""The study as the strategy sees it (what strategy.py's ``View`` protocol asks), and the noise margin a change must
+beat to count."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from autotune.search.strategy import Observation
+from autotune.search.study import ROLE_BASELINE, ROLE_DUEL, ROLE_SEARCH
+from autotune.search.trial import Outcome, TrialResult, unreached
+
+# the search these work on is a Search (search.py), which imports this module: typed loosely to keep the imports
+# one-way
+Search = Any
+
+MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
+MAX_MARGIN = 0.5
+
+
+class StudyView:
+    """The study as the strategy sees it: each program's first measurement, gated against the whole study's noise."""
+
+    def __init__(self, search: Search) -> None:
+        self.s = search
+        self.space = search.space
+        base_key = search.programs.program(search.space.baseline())
+        self._obs: dict[str, Observation] = {}
+        self._configs: dict[str, dict[str, Any]] = {}
+        for r in search._regate(search.results):
+            if r.role not in (ROLE_BASELINE, ROLE_SEARCH) or r.status is Outcome.INTERRUPTED:
+                continue  # (a run the end of the budget stopped measured nothing)
+            key = search.programs.program(r.config)
+            if key in self._obs:
+                continue
+            self._configs[key] = search.programs.canonical(r.config)
+            if key == base_key:
+                self._obs[key] = Observation(True, 1.0)
+            else:
+                ok = r.status is Outcome.OK
+                idle = tuple(unreached(r.with_(status=Outcome.OK), search.space.changed(r.config))) \
+                    if r.status is Outcome.UNREACHED else ()
+                self._obs[key] = Observation(ok, search._value(r) if ok else None, str(r.status), r.error, idle)
+        self._threshold = margin(search._baselines())
+
+    def observed(self, config):
+        return self._obs.get(self.s.programs.program(config))
+
+    def canonical(self, config):
+        return self.s.programs.canonical(config)
+
+    def same(self, a, b) -> bool:
+        return self.s.programs.program(a) == self.s.programs.program(b)
+
+    def threshold(self) -> float:
+        return self._threshold
+
+    def affordable(self, config) -> bool:
+        return self.s.affordable(config)
+
+    def costly(self, config) -> bool:
+        return self.s._compiles(config)
+
+    def measured(self):
+        return [(self._configs[k], o) for k, o in self._obs.items()]
+
+    def duel(self, a, b):
+        keys = [self.s.programs.program(a), self.s.programs.program(b)]
+        me = self.s._mine()
+        out: dict[tuple[int, str], float | None] = {}
+        for r in self.s.results:
+            if r.role == ROLE_DUEL and r.machine == me and r.attrs.get("duel") == keys:
+                ok = r.status is Outcome.OK and r.measured
+                out[(int(r.attrs.get("pair", 0)), str(r.attrs.get("arm")))] = self.s._speed(r) if ok else None
+        return out
+
+
+def margin(baselines: list[TrialResult]) -> float:
+    """How much faster a change must be to count: twice the spread (standard deviation of log step time) of the
+    baseline runs, within [MIN_MARGIN, MAX_MARGIN]."""
+    times = [b.step_time for b in baselines if b.step_time]
+    if len(times) < 2:
+        return MIN_MARGIN
+    sd = statistics.stdev(math.log(x) for x in times)
+    return min(max(2 * sd, MIN_MARGIN), MAX_MARGIN)
