@@ -19,7 +19,8 @@ from autotune import files
 from autotune.bound import is_bound, statement_binds, statement_reads, unbound
 from autotune.errors import UsageError
 from autotune.knobs import Knob
-from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms, is_docstring, stmt
+from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms
+from autotune.syntax import is_docstring, stmt, walk
 
 CONFIG_NAME = "autotune.yaml"
 DIFF_NAME = "patch.diff"
@@ -211,17 +212,11 @@ def _hook_losses(facts: ModuleFacts, exprs: list[cst.BaseExpression]) -> list[st
     """Loss expressions that can be evaluated again after the step: names, attributes and arithmetic on them."""
     out = []
     for e in exprs:
-        if not any(isinstance(n, cst.Call) for n in _walk(e)):
+        if not any(isinstance(n, cst.Call) for n in walk(e, itself=True)):
             code = facts.code(e)
             if code not in out:
                 out.append(code)
     return out
-
-
-def _walk(node: cst.CSTNode):
-    yield node
-    for child in node.children:
-        yield from _walk(child)
 
 
 def _batch_name(loop: TrainingLoop) -> str | None:

@@ -11,7 +11,8 @@ from autotune.analysis import ModuleFacts
 from autotune.project import load_project
 from autotune.patch import _code, _apply, run
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Mode, Transform, stmt
+from autotune.transform import Edits, Mode, Transform
+from autotune.syntax import stmt
 
 SCRIPT = '''"""A script."""
 from __future__ import annotations

@@ -14,7 +14,8 @@ from autotune.knobs import Knob, Numerics
 from autotune.patch import run
 from autotune.search.live import QuietDisplay
 from autotune.search.search import Search, SearchOptions
-from autotune.transform import Status, Transform, all_transforms, stmt
+from autotune.transform import Status, Transform, all_transforms
+from autotune.syntax import stmt
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "search" / "tiny.py"

@@ -10,7 +10,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.project import Project
-from autotune.transform import Status, positional
+from autotune.transform import Status
+from autotune.syntax import positional
 
 DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
 FSDP = {

@@ -10,7 +10,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.project import Project
-from autotune.transform import fresh_name, positional
+from autotune.syntax import argument, assignments, binds, is_name, positional, scope_of, self_attr
 from autotune.transforms._sites import strip_module_chain
 
 # torch.nn modules that are a whole transformer block: worth checkpointing or compiling one at a time.
@@ -26,124 +26,6 @@ SEQUENTIAL = "torch.nn.Sequential"
 MODULE_DICT = "torch.nn.ModuleDict"
 # Module methods that return the module itself: ``GPT(cfg).to(device)`` is still a GPT.
 MODULE_CHAIN = {"to", "cuda", "cpu", "train", "eval", "float", "half", "double", "bfloat16", "requires_grad_"}
-
-
-def is_name(node: cst.CSTNode, value: str | None = None) -> bool:
-    return isinstance(node, cst.Name) and (value is None or node.value == value)
-
-
-def self_attr(node: cst.CSTNode) -> str | None:
-    """``self.blocks`` -> ``"blocks"``."""
-    if isinstance(node, cst.Attribute) and is_name(node.value, "self"):
-        return node.attr.value
-    return None
-
-
-def attr_chain(node: cst.CSTNode) -> list[str] | None:
-    """``self.transformer.h`` -> ``["transformer", "h"]``; None for anything not rooted at ``self``."""
-    parts: list[str] = []
-    while isinstance(node, cst.Attribute):
-        parts.append(node.attr.value)
-        node = node.value
-    return parts[::-1] if is_name(node, "self") and parts else None
-
-
-def int_value(node: cst.BaseExpression) -> int | None:
-    """The value of an integer literal, with an optional minus sign."""
-    if isinstance(node, cst.Integer):
-        return int(node.value)
-    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus) and isinstance(node.expression, cst.Integer):
-        return -int(node.expression.value)
-    return None
-
-
-def argument(call: cst.Call, index: int | None, name: str) -> cst.BaseExpression | None:
-    """The argument at ``index`` (None: keyword only) or named ``name``."""
-    for a in call.args:
-        if a.keyword is not None and a.keyword.value == name:
-            return a.value
-    pos = [a for a in call.args if a.keyword is None]
-    if index is not None and 0 <= index < len(pos) and not pos[index].star:
-        return pos[index].value
-    return None
-
-
-def bound_names(target: cst.BaseExpression) -> Iterator[str]:
-    if isinstance(target, cst.Name):
-        yield target.value
-    elif isinstance(target, (cst.Tuple, cst.List)):
-        for element in target.elements:
-            yield from bound_names(element.value)
-    elif isinstance(target, cst.StarredElement):
-        yield from bound_names(target.value)
-
-
-def names_read(facts: ModuleFacts, owner: cst.CSTNode) -> Iterator[cst.Name]:
-    """The Name nodes under ``owner`` that read a variable (not assignment targets, attributes or keywords)."""
-    for name in facts.nodes_in(owner, cst.Name):
-        parent = facts.parent(name)
-        if isinstance(parent, cst.Attribute) and parent.attr is name:
-            continue
-        if isinstance(parent, (cst.Arg, cst.Param)) and (getattr(parent, "keyword", None) is name or getattr(parent, "name", None) is name):
-            continue
-        if isinstance(parent, (cst.FunctionDef, cst.ClassDef, cst.ImportAlias, cst.AsName)):
-            continue
-        if _is_store(facts, name):
-            continue
-        yield name
-
-
-def _is_store(facts: ModuleFacts, name: cst.Name) -> bool:
-    node: cst.CSTNode = name
-    parent = facts.parent(node)
-    while isinstance(parent, (cst.Tuple, cst.List, cst.Element, cst.StarredElement)):
-        node, parent = parent, facts.parent(parent)
-    if isinstance(parent, cst.AssignTarget) and parent.target is node:
-        return True
-    if isinstance(parent, (cst.AnnAssign, cst.AugAssign)) and parent.target is node:
-        return True
-    if isinstance(parent, (cst.For, cst.CompFor)) and parent.target is node:
-        return True
-    return isinstance(parent, cst.AsName)
-
-
-def assigned_names(facts: ModuleFacts, owner: cst.CSTNode) -> set[str]:
-    """Names bound anywhere under ``owner`` (assignments, augmented assignments, loop targets, ``as``)."""
-    out = set()
-    for name in facts.nodes_in(owner, cst.Name):
-        if _is_store(facts, name):
-            out.add(name.value)
-    return out
-
-
-def scope_of(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
-    """The function holding ``node``, or the module."""
-    return facts.function_of(node) or facts.module
-
-
-def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.CSTNode | None = None) -> list[cst.Assign]:
-    """The ``name = ...`` statements of ``scope`` (not of functions nested in it), before ``before`` when given."""
-    out = []
-    for assign in facts.nodes_in(scope, cst.Assign):
-        if scope_of(facts, assign) is not scope:
-            continue
-        if before is not None and facts._enter[assign] >= facts._enter[before]:
-            continue
-        if any(binds(facts, t.target, name) for t in assign.targets):
-            out.append(assign)
-    return out
-
-
-def binds(facts: ModuleFacts, target: cst.BaseExpression, name: str) -> bool:
-    """Whether an assignment target is ``name``: a variable, or an attribute chain (``self.model``)."""
-    if "." in name:
-        return isinstance(target, cst.Attribute) and facts.code(target) == name
-    return is_name(target, name)
-
-
-def unique_name(facts: ModuleFacts, scope: cst.CSTNode, *candidates: str) -> str:
-    """The first candidate the scope does not use yet (then ``candidate_2``...)."""
-    return fresh_name({n.value for n in facts.nodes_in(scope, cst.Name)}, *candidates)
 
 
 # --- classes -----------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, is_docstring, stmt
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import is_docstring, stmt
 
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads the first when both are set
 SETTERS = ("setdefault", "putenv", "update", "__setitem__")

@@ -6,7 +6,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, is_literal
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import is_literal
 
 SETTERS = ("torch.autograd.set_detect_anomaly", "torch.autograd.anomaly_mode.set_detect_anomaly")
 SWITCHED_ON = "anomaly detection is switched on: a debugging aid that slows every backward"

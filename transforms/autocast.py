@@ -10,22 +10,19 @@ from autotune.analysis import ModuleFacts
 from autotune.project import Project, TrainingLoop, is_framework_backward
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
-from autotune.transform import (
-    Edits,
-    Status,
-    Transform,
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import (
     add_args,
     expr,
     fresh_name,
-    is_docstring,
     is_literal,
     keyword,
     kwarg,
     positional_arg,
     stmt,
+    walk,
 )
-from autotune.transforms._model import assigned_names
-from autotune.transforms._sites import h2d_copy
+from autotune.transforms._step import CLIP, device_type_code, forward_statements, last_steps
 
 AUTOCAST = {
     "torch.autocast",
@@ -42,11 +39,6 @@ GRAD_SCALER = {
 }
 # enabled= by position: GradScaler(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
 SCALER_ENABLED_AT = {"torch.cuda.amp.GradScaler": 4, "torch.cpu.amp.GradScaler": 4}
-CLIP = {
-    f"torch.nn.utils{module}.{name}"
-    for module in ("", ".clip_grad")
-    for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
-}
 DTYPE_CODE = {"bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -274,11 +266,11 @@ class Autocast(Transform):
                 plan.reports.append((call, Status.PRESENT, f"the loop already autocasts ({where.display}:{line})"))
                 covered = covered or not self._settled
                 continue
-            if any(isinstance(n, cst.Call) for n in _walk(loss)):
+            if any(isinstance(n, cst.Call) for n in walk(loss, itself=True)):
                 reason = "the loss is computed in the backward() statement itself"
                 plan.reports.append((call, Status.NOT_APPLICABLE, reason))
                 continue
-            group, why = _forward_statements(project, facts, call)
+            group, why = forward_statements(project, facts, call)
             if group is None:
                 plan.reports.append((call, Status.NOT_APPLICABLE, why))
                 continue
@@ -293,7 +285,7 @@ class Autocast(Transform):
             )
             plan.wraps.append(group)
             if self.baking():
-                plan.devices[group[0]] = _device_type(facts, scope, call, group)
+                plan.devices[group[0]] = device_type_code(facts, scope, call, group)
         if has_scaler or not covered:
             for plan in work.values():
                 plan.scale.clear()
@@ -304,7 +296,7 @@ class Autocast(Transform):
                 facts, plan = scope.module, work[scope.module]
                 steps = [c for c in scope.steps if not facts.is_runtime_call(c) and c not in plan.steps]
                 plan.steps.extend(steps)
-                plan.updates.extend(_last_steps(facts, scope, steps))
+                plan.updates.extend(last_steps(facts, scope, steps))
                 unbound_at.extend(self._plan_clips(scope, plan))
             reason = None
             if unbound_at:
@@ -394,12 +386,6 @@ class Autocast(Transform):
 # --- helpers -----------------------------------------------------------------------------------------------
 
 
-def _walk(node: cst.CSTNode):
-    yield node
-    for child in node.children:
-        yield from _walk(child)
-
-
 def _short(facts: ModuleFacts, call: cst.Call) -> str:
     return f"{facts.code(call.func)}(...)"
 
@@ -472,133 +458,6 @@ def _unwrap_scale(recv: cst.BaseExpression) -> tuple[cst.BaseExpression, bool]:
 def _scaler_enabled_arg(facts: ModuleFacts, call: cst.Call) -> cst.Arg | None:
     at = SCALER_ENABLED_AT.get(facts.qualname(call.func) or "", 5)
     return keyword(call, "enabled") or positional_arg(call, at)
-
-
-def _is_copy(node: cst.BaseExpression) -> bool:
-    """``x.to(device)``, ``batch["x"].cuda()``, tuples and comprehensions of them, casts chained on them."""
-    if isinstance(node, (cst.Tuple, cst.List)):
-        return bool(node.elements) and all(_is_copy(e.value) for e in node.elements)
-    if isinstance(node, cst.DictComp):
-        return _is_copy(node.value)
-    if isinstance(node, (cst.ListComp, cst.GeneratorExp)):
-        return _is_copy(node.elt)
-    if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
-        recv = node.func.value
-        if node.func.attr.value in ("to", "cuda"):
-            return not any(isinstance(n, cst.Call) for n in _walk(recv)) or _is_copy(recv)
-        return isinstance(recv, cst.Call) and _is_copy(recv)
-    return False
-
-
-def _is_copy_statement(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
-    if not isinstance(s, cst.SimpleStatementLine):
-        return False
-    for small in s.body:
-        value = getattr(small, "value", None)
-        if isinstance(value, cst.Call) and facts.is_runtime_call(value) and len(value.args) == 1:
-            value = value.args[0].value  # _autotune.channels_last(x.to(device)) is still a copy
-        if value is None or not _is_copy(value):
-            return False
-    return True
-
-
-def _is_separator(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
-    """Statements that end a step's forward and loss: zero_grad, step, backward, clipping, host-to-device copies."""
-    for call in facts.calls_in(s):
-        if project.is_zero_grad_call(call) or project.is_backward_call(call) or project.is_step_call(facts, call):
-            return True
-        if facts.qualname(call.func) in CLIP or facts.is_runtime_call(call, "unscale_"):
-            return True
-    return _is_copy_statement(facts, s)
-
-
-def _device_type(facts: ModuleFacts, scope, backward: cst.Call, group: list[cst.BaseStatement]) -> str | None:
-    """Code that reads, where ``group`` starts, the type of the device the step computes on: that of the tensor the
-    loop last copied to the device, else that of the stepped optimizer's first parameter; None if neither is sure."""
-    body = list(facts.block_of(group[0]).body)
-    start = body.index(group[0])
-    for i in range(start - 1, -1, -1):
-        name = _copied_name(facts, body[i])
-        if name is not None:
-            if not any(name in assigned_names(facts, s) for s in body[i + 1 : start]):
-                return f"{name}.device.type"
-            break
-    order = facts._enter
-    home = facts.function_of(backward)
-    for step in sorted(scope.steps, key=order.__getitem__):
-        recv = step.func.value  # type: ignore[attr-defined]
-        if order[step] > order[backward] and facts.function_of(step) is home:
-            if any(isinstance(n, cst.Call) for n in _walk(recv)):
-                return None  # evaluating it again could have side effects
-            if unbound(facts, group[0], facts.code(recv)):
-                return None  # (an optimizer made on one path only: torch's device is the guess then)
-            return f'{facts.code(recv)}.param_groups[0]["params"][0].device.type'
-    return None
-
-
-def _copied_name(facts: ModuleFacts, s: cst.BaseStatement) -> str | None:
-    """The first name ``s`` binds to a tensor copied to a device: ``x`` in ``x, y = x.to(device), y.to(device)``."""
-    if not isinstance(s, cst.SimpleStatementLine):
-        return None
-    for small in s.body:
-        if not isinstance(small, cst.Assign) or len(small.targets) != 1:
-            continue
-        target, value = small.targets[0].target, small.value
-        pairs = [(target, value)]
-        if isinstance(target, (cst.Tuple, cst.List)) and isinstance(value, (cst.Tuple, cst.List)):
-            if len(target.elements) == len(value.elements):
-                pairs = [(t.value, v.value) for t, v in zip(target.elements, value.elements)]
-        for t, v in pairs:
-            if isinstance(t, cst.Name) and _is_device_copy(facts, v):
-                return t.value
-    return None
-
-
-def _is_device_copy(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
-    """``x.to(device)``, ``x.cuda()``, or casts chained on one (``x.to(device).float()``)."""
-    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
-        if h2d_copy(facts, node):
-            return True
-        node = node.func.value
-    return False
-
-
-def _forward_statements(
-    project: Project, facts: ModuleFacts, backward: cst.Call
-) -> tuple[list[cst.BaseStatement] | None, str]:
-    """The statements before ``backward``'s in its block, back to the previous step boundary or the block start."""
-    line = facts.statement_of(backward)
-    if not isinstance(line, cst.SimpleStatementLine):
-        return None, "backward() shares a one-line block with other statements"
-    if len(line.body) > 1:
-        return None, "backward() shares its line with other statements"
-    block = facts.block_of(line)
-    body = list(block.body)
-    end = body.index(line)
-    while end > 0 and project.is_zero_grad_statement(facts, body[end - 1]):
-        end -= 1  # forward, loss, zero_grad(), backward(): the forward and loss still count
-    start = end
-    while start > 0 and not _is_separator(project, facts, body[start - 1]):
-        start -= 1
-    if start == 0 and body and is_docstring(body[0]) and isinstance(facts.parent(block), cst.FunctionDef):
-        start = 1
-    group = body[start:end]
-    if not group:
-        return None, "no statement computes the loss right before backward() in its block"
-    return group, ""
-
-
-
-
-def _last_steps(facts: ModuleFacts, scope, steps: list[cst.Call]) -> list[cst.Call]:
-    """The steps no other step follows before the next backward: one scaler.update() after each (as the runtime)."""
-    events = sorted([*scope.backward, *scope.steps], key=facts._enter.__getitem__)  # source order
-    last = []
-    for step in steps:
-        following = events[events.index(step) + 1 :]
-        if not following or following[0] not in steps:
-            last.append(step)
-    return last
 
 
 def _after_unscale(facts: ModuleFacts, s: cst.BaseStatement) -> bool:

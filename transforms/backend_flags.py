@@ -6,7 +6,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, stmt
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import stmt
 
 # What each spelling decides: setting the matmul precision also decides TF32 for CUDA matmuls, and the reverse.
 ASSIGNED = {

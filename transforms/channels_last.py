@@ -8,8 +8,9 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, keyword, stmt
-from autotune.transforms._model import bound_names, self_attr, training, zoo_factory
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import bound_names, keyword, self_attr, stmt
+from autotune.transforms._model import training, zoo_factory
 from autotune.transforms._sites import (
     Region,
     h2d_copy,

@@ -8,21 +8,10 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, expr, positional, stmt
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import argument, attr_chain, expr, is_name, names_read, positional, short, stmt, unique_name
 
-from ._model import (
-    SEQUENTIAL,
-    ClassRef,
-    Stack,
-    argument,
-    attr_chain,
-    attr_stack,
-    find_class,
-    is_block_class,
-    is_name,
-    names_read,
-    unique_name,
-)
+from ._model import SEQUENTIAL, ClassRef, Stack, attr_stack, find_class, is_block_class
 
 EVERY = {"none": 0, "all": 1, "every_2nd": 2}
 # Modules whose forward in training mode changes their state: recomputing them in backward would update their
@@ -136,7 +125,7 @@ class Checkpointing(Transform):
                 continue
             name = assign.targets[0].target.value  # type: ignore[attr-defined]
             method = SWITCHES[library]
-            made = f"{name} = {_short(facts, assign.value)}"
+            made = f"{name} = {short(facts, assign.value)}"
             own = next((c for c in facts.calls if _is_switch_call(c, name)), None)
             gated = any(
                 facts.is_runtime_call(c, "checkpoint_switch") and c.args and is_name(c.args[0].value, name) for c in facts.calls
@@ -225,7 +214,7 @@ class Checkpointing(Transform):
             other = next(n for n in reads if n not in calls)
             return site(
                 Status.NOT_APPLICABLE,
-                f"the loop over {where} also uses `{var}` itself ({_short(facts, facts.parent(other))}), not only calls it",
+                f"the loop over {where} also uses `{var}` itself ({short(facts, facts.parent(other))}), not only calls it",
             )
         return site(Status.APPLICABLE, f"{stack.short_kind} of {_elem(stack)} blocks run in a loop over {where}")
 
@@ -429,11 +418,6 @@ def _arg_code(text, arg: cst.Arg) -> str:
 
 def _elem(stack: Stack) -> str:
     return (stack.element or "?").rsplit(".", 1)[-1]
-
-
-def _short(facts: ModuleFacts, node: cst.CSTNode, limit: int = 40) -> str:
-    code = " ".join(facts.code(node).split())
-    return code if len(code) <= limit else code[: limit - 3] + "..."
 
 
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===

@@ -9,9 +9,10 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, stmt
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import scope_of, stmt, unique_name
 
-from ._model import ClassRef, block_paths, model_class, scope_of, training, unique_name
+from ._model import ClassRef, block_paths, model_class, training
 
 # inductor's own random numbers give other dropout masks than eager (char_gpt: losses 1e-3 apart from step 1, 1e-7
 # with this), so the loss gate could never accept compile on a model with dropout

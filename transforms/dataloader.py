@@ -6,11 +6,10 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_into_helper
-from autotune.transforms._model import ClassRef, argument, find_class, model_class, scope_of, training
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import add_args, argument, assignments, is_name, kwarg, move_into_helper, scope_of
+from autotune.transforms._model import ClassRef, find_class, model_class, training
 from autotune.transforms._sites import h2d_copy, short
-
-from ._model import assignments, is_name
 
 _DATALOADER = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")

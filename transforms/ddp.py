@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Mode, Status, Transform, add_args, kwarg, move_into_helper
+from autotune.transform import Edits, Mode, Status, Transform
+from autotune.syntax import add_args, kwarg, move_into_helper
 from autotune.transforms._dist import DDP, calls_to, wrapper_settings
 
 SETTINGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, add_args, kwarg, move_into_helper, star_kwargs
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import add_args, kwarg, move_into_helper, star_kwargs
 from autotune.transforms._dist import FSDP, FULLY_SHARD, calls_to, runtime_splat, short_name, wrapper_settings
 
 SETTINGS = ("forward_prefetch", "backward_prefetch", "limit_all_gathers", "use_orig_params")

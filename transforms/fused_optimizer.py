@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, add_args, keyword, kwarg, star_kwargs
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import add_args, keyword, kwarg, star_kwargs
 
 # The optimizers whose constructors take both fused= and foreach= in torch 2.4+; fused runs on CPU and CUDA.
 FUSABLE = {f"torch.optim.{n}" for n in ("Adam", "AdamW", "SGD")} | {

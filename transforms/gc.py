@@ -8,7 +8,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.project import TrainingLoop
-from autotune.transform import Edits, Status, Transform, stmt
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import stmt
 from autotune.knobs import Knob, Numerics
 
 # Calls that show the script already manages the collector itself.

@@ -6,7 +6,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, stmt
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import stmt
 from autotune.transforms._dist import INIT_DEVICE_MESH, INIT_PROCESS_GROUP, backend_arg, calls_to, literal_string
 
 _SETTERS = ("setdefault", "putenv", "update", "__setitem__")

@@ -10,7 +10,8 @@ from autotune.analysis import ModuleFacts
 from autotune.project import StepScope
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, is_docstring, expr
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import expr, is_docstring, walk
 from autotune.transforms._dist import Wrapped, assigned_chains, chains, conflicts, ddp_models
 
 # Expressions that may run code or bind names: the accumulation condition is evaluated once more, before the
@@ -161,7 +162,7 @@ class NoSync(Transform):
             return f"the forward pass of {names} is not among the statements before backward() in its block"
         if len(used) > 1:
             return f"{' and '.join(used)} both run before backward(): no_sync() of one would not stop the other"
-        bad = [n for n in _walk(final) if isinstance(n, _IMPURE) or (isinstance(n, cst.Call) and not _is_len(n))]
+        bad = [n for n in walk(final, itself=True) if isinstance(n, _IMPURE) or (isinstance(n, cst.Call) and not _is_len(n))]
         final_code = _code(final)
         if bad:
             return f"the accumulation condition `{final_code}` runs code: it cannot be evaluated again before the forward"
@@ -237,7 +238,7 @@ class NoSync(Transform):
         changed = conflicts(chains(facts, stop), assigned_chains(facts, list(loop.body.body)))
         if changed:
             return f"{', '.join(changed)} changes inside the micro-step loop"
-        if any(isinstance(n, cst.Call) and not _is_len(n) for n in _walk(stop)):
+        if any(isinstance(n, cst.Call) and not _is_len(n) for n in walk(stop, itself=True)):
             return f"the micro-step count `{_code(stop)}` runs code: it cannot be evaluated again"
         return body, i, expr(final_code), []
 
@@ -301,14 +302,8 @@ def _is_len(call: cst.Call) -> bool:
     return isinstance(call.func, cst.Name) and call.func.value == "len"
 
 
-def _walk(node: cst.CSTNode):
-    yield node
-    for child in node.children:
-        yield from _walk(child)
-
-
 def _calls(node: cst.CSTNode) -> list[cst.Call]:
-    return [n for n in _walk(node) if isinstance(n, cst.Call)]
+    return [n for n in walk(node, itself=True) if isinstance(n, cst.Call)]
 
 
 def _code(node: cst.CSTNode) -> str:

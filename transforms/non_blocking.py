@@ -6,7 +6,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, add_args, is_literal, keyword, kwarg
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import add_args, is_literal, keyword, kwarg
 from autotune.transforms._sites import (
     device_arg,
     in_regions,

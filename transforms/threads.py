@@ -6,7 +6,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, stmt
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import stmt
 from autotune.transforms.backend_flags import _last_import, _torch_name
 
 SETTERS = ("torch.set_num_threads",)

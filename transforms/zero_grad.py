@@ -6,7 +6,8 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
-from autotune.transform import Edits, Status, Transform, is_literal, keyword
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import is_literal, keyword
 
 # Since torch 2.0 (autotune needs 2.4+) Optimizer.zero_grad() and Module.zero_grad() default to
 # set_to_none=True: gradients are dropped instead of filled with zeros, which skips one memset per parameter

@@ -1,0 +1,290 @@
+"""Reading and building libcst nodes: the one set of syntax helpers every transform and the analysis share.
+
+Reading: a call's arguments (``positional``, ``keyword``, ``argument``), names and what binds or reads them
+(``names_read``, ``assigned_names``, ``assignments``), attribute chains, literals. Building: statements and
+expressions from code, arguments appended keeping the script's layout and comments."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+
+
+# --- building --------------------------------------------------------------------------------------------------
+
+
+def stmt(code: str) -> cst.BaseStatement:
+    """A statement node from its code."""
+    return cst.parse_statement(code)
+
+
+def expr(code: str) -> cst.BaseExpression:
+    """An expression node from its code."""
+    return cst.parse_expression(code)
+
+
+def kwarg(name: str, value: cst.BaseExpression | str) -> cst.Arg:
+    value = expr(value) if isinstance(value, str) else value
+    return cst.Arg(
+        value=value,
+        keyword=cst.Name(name),
+        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
+    )
+
+
+def star_kwargs(value: cst.BaseExpression | str) -> cst.Arg:
+    value = expr(value) if isinstance(value, str) else value
+    return cst.Arg(value=value, star="**")
+
+
+def add_args(call: cst.Call, *new: cst.Arg) -> cst.Call:
+    """``call`` with arguments appended, keeping a one-argument-per-line layout and trailing comma as written."""
+    args = list(call.args)
+    space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    if not args:
+        return call.with_changes(args=[*(a.with_changes(comma=space) for a in new[:-1]), new[-1]])
+    last_comma = args[-1].comma
+    if last_comma is cst.MaybeSentinel.DEFAULT:
+        args[-1] = args[-1].with_changes(comma=space)
+        return call.with_changes(args=[*args, *(a.with_changes(comma=space) for a in new[:-1]), new[-1]])
+    # a trailing comma: the whitespace between arguments is the one before the last argument; a comment at the end
+    # of a line stays with the argument it follows
+    between = args[-2].comma if len(args) > 1 else cst.Comma(whitespace_after=call.whitespace_before_args)
+    between = _with_comment(between, None)
+    args[-1] = args[-1].with_changes(comma=_with_comment(between, _comment(last_comma)))
+    added = [a.with_changes(comma=between) for a in new[:-1]] + [new[-1].with_changes(comma=_with_comment(last_comma, None))]
+    return call.with_changes(args=[*args, *added])
+
+
+def _comment(comma: cst.Comma | cst.MaybeSentinel) -> cst.Comment | None:
+    """The comment at the end of the line a comma ends."""
+    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
+        return comma.whitespace_after.first_line.comment
+    return None
+
+
+def _with_comment(comma: cst.Comma, comment: cst.Comment | None) -> cst.Comma:
+    """``comma`` with ``comment`` (or none) at the end of its line, when it ends a line."""
+    ws = comma.whitespace_after
+    if not isinstance(ws, cst.ParenthesizedWhitespace) or ws.first_line.comment is comment:
+        return comma
+    line = ws.first_line.with_changes(comment=comment, whitespace=cst.SimpleWhitespace("  " if comment else ""))
+    return comma.with_changes(whitespace_after=ws.with_changes(first_line=line))
+
+
+def move_into_helper(call: cst.Call, names: set[str], helper: str, splats: bool = False) -> cst.Call:
+    """``call`` whose keyword arguments in ``names`` (and, with ``splats``, its ``**dict`` arguments) move, as
+    written, into ``**helper(...)`` appended last."""
+    args = list(call.args)
+    taken = [a for a in args if (a.keyword is not None and a.keyword.value in names) or (splats and a.star == "**")]
+    keep = [a for a in args if a not in taken]
+    if keep and taken and keep[-1] is not args[-1]:
+        keep[-1] = keep[-1].with_changes(comma=args[-1].comma)  # the last argument's comma: trailing or none
+    space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    inner_args = [star_kwargs(a.value) if a.star else kwarg(a.keyword.value, a.value) for a in taken]
+    inner_args = [a.with_changes(comma=space) for a in inner_args[:-1]] + inner_args[-1:]
+    inner = cst.Call(func=expr(helper), args=inner_args)
+    out = add_args(call.with_changes(args=keep), star_kwargs(inner))
+    # a comment that followed a moved argument (one argument per line) now follows the helper's line
+    comments = [c for a in taken if (c := _comment(a.comma)) is not None]
+    last = out.args[-1]
+    if comments and _comment(last.comma) is None and isinstance(last.comma, cst.Comma):
+        ws = last.comma.whitespace_after
+        if isinstance(ws, cst.ParenthesizedWhitespace):
+            line = ws.first_line.with_changes(whitespace=cst.SimpleWhitespace("  "), comment=comments[0])
+            out = out.with_changes(args=[*out.args[:-1], last.with_changes(comma=last.comma.with_changes(
+                whitespace_after=ws.with_changes(first_line=line)))])
+    return out
+
+
+def fresh_name(used: set[str], *candidates: str) -> str:
+    """The first candidate not in ``used``, else ``<first>_2``, ``<first>_3``..."""
+    for name in candidates:
+        if name not in used:
+            return name
+    i = 2
+    while f"{candidates[0]}_{i}" in used:
+        i += 1
+    return f"{candidates[0]}_{i}"
+
+
+# --- reading -------------------------------------------------------------------------------------------------
+
+
+def is_docstring(node: cst.BaseStatement) -> bool:
+    """Whether a statement is a bare string literal (a module, class or function docstring)."""
+    return (
+        isinstance(node, cst.SimpleStatementLine)
+        and len(node.body) == 1
+        and isinstance(node.body[0], cst.Expr)
+        and isinstance(node.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+def is_literal(node: cst.BaseExpression, value: Any) -> bool:
+    """Whether ``node`` is the literal ``True``/``False``/``None`` or a number equal to ``value``."""
+    if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[node.value] is value
+    if isinstance(node, cst.Integer):
+        return int(node.value) == value
+    return False
+
+
+def is_name(node: cst.CSTNode, value: str | None = None) -> bool:
+    return isinstance(node, cst.Name) and (value is None or node.value == value)
+
+
+def int_value(node: cst.BaseExpression) -> int | None:
+    """The value of an integer literal, with an optional minus sign."""
+    if isinstance(node, cst.Integer):
+        return int(node.value)
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus) and isinstance(node.expression, cst.Integer):
+        return -int(node.expression.value)
+    return None
+
+
+def self_attr(node: cst.CSTNode) -> str | None:
+    """``self.blocks`` -> ``"blocks"``."""
+    if isinstance(node, cst.Attribute) and is_name(node.value, "self"):
+        return node.attr.value
+    return None
+
+
+def attr_chain(node: cst.CSTNode) -> list[str] | None:
+    """``self.transformer.h`` -> ``["transformer", "h"]``; None for anything not rooted at ``self``."""
+    parts: list[str] = []
+    while isinstance(node, cst.Attribute):
+        parts.append(node.attr.value)
+        node = node.value
+    return parts[::-1] if is_name(node, "self") and parts else None
+
+
+def keyword(call: cst.Call, name: str) -> cst.Arg | None:
+    return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
+
+
+def positional_args(call: cst.Call) -> list[cst.Arg]:
+    """The arguments ``call`` passes by position, as written (no keyword, no ``*`` or ``**``)."""
+    return [a for a in call.args if a.keyword is None and not a.star]
+
+
+def positional(call: cst.Call) -> list[cst.BaseExpression]:
+    """The values ``call`` passes by position."""
+    return [a.value for a in positional_args(call)]
+
+
+def positional_arg(call: cst.Call, index: int) -> cst.Arg | None:
+    """The argument at position ``index``, or None where ``call`` passes fewer."""
+    args = positional_args(call)
+    return args[index] if index < len(args) else None
+
+
+def argument(call: cst.Call, index: int | None, name: str) -> cst.BaseExpression | None:
+    """The argument at ``index`` (None: keyword only) or named ``name``."""
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == name:
+            return a.value
+    pos = [a for a in call.args if a.keyword is None]
+    if index is not None and 0 <= index < len(pos) and not pos[index].star:
+        return pos[index].value
+    return None
+
+
+def walk(node: cst.CSTNode, itself: bool = False) -> Iterator[cst.CSTNode]:
+    """The nodes under ``node``, depth first in source order (``node`` first where ``itself``)."""
+    if itself:
+        yield node
+    for child in node.children:
+        yield child
+        yield from walk(child)
+
+
+def short(facts: ModuleFacts, node: cst.CSTNode, limit: int = 40) -> str:
+    """``node``'s code on one line, cut to ``limit`` characters: how a message names a piece of the script."""
+    code = " ".join(facts.code(node).split())
+    return code if len(code) <= limit else code[: limit - 3] + "..."
+
+
+# --- names: what binds them and what reads them -------------------------------------------------------------
+
+
+def bound_names(target: cst.BaseExpression) -> Iterator[str]:
+    if isinstance(target, cst.Name):
+        yield target.value
+    elif isinstance(target, (cst.Tuple, cst.List)):
+        for element in target.elements:
+            yield from bound_names(element.value)
+    elif isinstance(target, cst.StarredElement):
+        yield from bound_names(target.value)
+
+
+def names_read(facts: ModuleFacts, owner: cst.CSTNode) -> Iterator[cst.Name]:
+    """The Name nodes under ``owner`` that read a variable (not assignment targets, attributes or keywords)."""
+    for name in facts.nodes_in(owner, cst.Name):
+        parent = facts.parent(name)
+        if isinstance(parent, cst.Attribute) and parent.attr is name:
+            continue
+        if isinstance(parent, (cst.Arg, cst.Param)) and (getattr(parent, "keyword", None) is name or getattr(parent, "name", None) is name):
+            continue
+        if isinstance(parent, (cst.FunctionDef, cst.ClassDef, cst.ImportAlias, cst.AsName)):
+            continue
+        if _is_store(facts, name):
+            continue
+        yield name
+
+
+def _is_store(facts: ModuleFacts, name: cst.Name) -> bool:
+    node: cst.CSTNode = name
+    parent = facts.parent(node)
+    while isinstance(parent, (cst.Tuple, cst.List, cst.Element, cst.StarredElement)):
+        node, parent = parent, facts.parent(parent)
+    if isinstance(parent, cst.AssignTarget) and parent.target is node:
+        return True
+    if isinstance(parent, (cst.AnnAssign, cst.AugAssign)) and parent.target is node:
+        return True
+    if isinstance(parent, (cst.For, cst.CompFor)) and parent.target is node:
+        return True
+    return isinstance(parent, cst.AsName)
+
+
+def assigned_names(facts: ModuleFacts, owner: cst.CSTNode) -> set[str]:
+    """Names bound anywhere under ``owner`` (assignments, augmented assignments, loop targets, ``as``)."""
+    out = set()
+    for name in facts.nodes_in(owner, cst.Name):
+        if _is_store(facts, name):
+            out.add(name.value)
+    return out
+
+
+def scope_of(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
+    """The function holding ``node``, or the module."""
+    return facts.function_of(node) or facts.module
+
+
+def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.CSTNode | None = None) -> list[cst.Assign]:
+    """The ``name = ...`` statements of ``scope`` (not of functions nested in it), before ``before`` when given."""
+    out = []
+    for assign in facts.nodes_in(scope, cst.Assign):
+        if scope_of(facts, assign) is not scope:
+            continue
+        if before is not None and facts._enter[assign] >= facts._enter[before]:
+            continue
+        if any(binds(facts, t.target, name) for t in assign.targets):
+            out.append(assign)
+    return out
+
+
+def binds(facts: ModuleFacts, target: cst.BaseExpression, name: str) -> bool:
+    """Whether an assignment target is ``name``: a variable, or an attribute chain (``self.model``)."""
+    if "." in name:
+        return isinstance(target, cst.Attribute) and facts.code(target) == name
+    return is_name(target, name)
+
+
+def unique_name(facts: ModuleFacts, scope: cst.CSTNode, *candidates: str) -> str:
+    """The first candidate the scope does not use yet (then ``candidate_2``...)."""
+    return fresh_name({n.value for n in facts.nodes_in(scope, cst.Name)}, *candidates)
