@@ -12,6 +12,7 @@ from pathlib import Path
 import libcst as cst
 
 from autotune.analysis import _UNKNOWN, ModuleFacts, deep, no_gc, read_source
+from autotune.syntax import assignments, stores
 
 # torch.optim classes that are not optimizers.
 _NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.", "torch.optim.Optimizer")
@@ -165,6 +166,10 @@ class Project:
             cls = facts.class_of(call)
             target = facts.method_named(cls, func.attr.value) if cls is not None else None
             return (facts, target) if target is not None else None
+        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name):
+            found = self._instance_method(facts, call, func.value.value, func.attr.value)
+            if found is not None:
+                return found
         qual = facts.qualname(func)
         if qual is None:
             return None
@@ -174,6 +179,59 @@ class Project:
             return None
         target = owner.function_named(name)
         return (owner, target) if target is not None else None
+
+    def _instance_method(
+        self, facts: ModuleFacts, call: cst.Call, name: str, method: str
+    ) -> tuple[ModuleFacts, cst.FunctionDef] | None:
+        """``learner.train_step(x, y)`` where ``learner`` is bound only by ``learner = Learner(...)`` of one local
+        class, in the call's function (else at module level): that class's method, or a local base class's.
+
+        A name bound any other way there (a parameter, a loop target, ``with ... as``) is not resolved: what it holds
+        cannot be known without running the script.
+        """
+        function = facts.function_of(call)
+        for scope in (function, facts.module) if function is not None else (facts.module,):
+            binds = assignments(facts, scope, name)
+            params = scope.params if isinstance(scope, cst.FunctionDef) else None
+            named = params is not None and any(
+                p.name.value == name for p in (*params.posonly_params, *params.params, *params.kwonly_params)
+            )
+            targets = {id(t.target) for a in binds for t in a.targets}
+            if named or any(id(n) not in targets for n in stores(facts, scope, name)):
+                return None
+            if not binds:
+                continue
+            classes = {self._local_class(facts, a.value) for a in binds}
+            if len(classes) != 1 or None in classes:
+                return None
+            owner, cls = classes.pop()
+            return self._method_of(owner, cls, method, 0)
+        return None
+
+    def _local_class(self, facts: ModuleFacts, value: cst.BaseExpression) -> tuple[ModuleFacts, cst.ClassDef] | None:
+        """The local class ``value`` instantiates (``Learner(...)``), with the module that defines it."""
+        if not isinstance(value, cst.Call):
+            return None
+        return self._class_named(facts.qualname(value.func))
+
+    def _class_named(self, qual: str | None) -> tuple[ModuleFacts, cst.ClassDef] | None:
+        modname, _, name = (qual or "").rpartition(".")
+        owner = self.by_modname(modname)
+        cls = owner.classes.get(name) if owner is not None else None
+        return (owner, cls) if cls is not None else None
+
+    def _method_of(
+        self, owner: ModuleFacts, cls: cst.ClassDef, method: str, depth: int
+    ) -> tuple[ModuleFacts, cst.FunctionDef] | None:
+        target = owner.method_named(cls, method)
+        if target is not None:
+            return owner, target
+        if depth < 3:
+            for base in cls.bases:
+                found = self._class_named(owner.qualname(base.value))
+                if found is not None and (hit := self._method_of(*found, method, depth + 1)) is not None:
+                    return hit
+        return None
 
 
 def _module_path(root: Path, dotted: str) -> Path | None:

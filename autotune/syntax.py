@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import libcst as cst
+import libcst.matchers as m
 
 from autotune.analysis import ModuleFacts
 
@@ -115,14 +116,12 @@ def fresh_name(used: set[str], *candidates: str) -> str:
 # --- reading -------------------------------------------------------------------------------------------------
 
 
+_DOCSTRING = m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString())])
+
+
 def is_docstring(node: cst.BaseStatement) -> bool:
     """Whether a statement is a bare string literal (a module, class or function docstring)."""
-    return (
-        isinstance(node, cst.SimpleStatementLine)
-        and len(node.body) == 1
-        and isinstance(node.body[0], cst.Expr)
-        and isinstance(node.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
+    return m.matches(node, _DOCSTRING)
 
 
 def is_literal(node: cst.BaseExpression, value: Any) -> bool:
@@ -149,9 +148,7 @@ def int_value(node: cst.BaseExpression) -> int | None:
 
 def self_attr(node: cst.CSTNode) -> str | None:
     """``self.blocks`` -> ``"blocks"``."""
-    if isinstance(node, cst.Attribute) and is_name(node.value, "self"):
-        return node.attr.value
-    return None
+    return node.attr.value if m.matches(node, m.Attribute(value=m.Name("self"))) else None
 
 
 def attr_chain(node: cst.CSTNode) -> list[str] | None:
@@ -249,6 +246,11 @@ def _is_store(facts: ModuleFacts, name: cst.Name) -> bool:
     if isinstance(parent, (cst.For, cst.CompFor)) and parent.target is node:
         return True
     return isinstance(parent, cst.AsName)
+
+
+def stores(facts: ModuleFacts, owner: cst.CSTNode, name: str) -> list[cst.Name]:
+    """The Name nodes under ``owner`` that bind ``name`` (assignment and loop targets, ``as`` names)."""
+    return [n for n in facts.nodes_in(owner, cst.Name) if n.value == name and _is_store(facts, n)]
 
 
 def assigned_names(facts: ModuleFacts, owner: cst.CSTNode) -> set[str]:

@@ -88,6 +88,64 @@ def test_an_epoch_loop_that_calls_the_batch_loops_method_is_not_a_training_loop(
     assert text.count("_autotune.step(") == 1 and text.count("_autotune.gc_pause()") == 1
 
 
+def test_a_loop_that_calls_a_step_method_of_the_scripts_own_trainer_object_is_a_training_loop():
+    # `loss = learner.train_step(x, y)` with `learner = Learner(...)`: the method runs backward() and the step
+    project = load_project(REPO / "fixtures/scripts/trainer_step.py")
+    (loop,) = project.loops
+    assert loop.module.function_of(loop.node).name.value == "main"
+    assert {s.owner.name.value for s in loop.scopes if s.backward} == {"train_step"}
+    text = run(project).files[0].new_text
+    assert text.count("_autotune.step(") == 1
+
+
+LEARNER = """
+import torch
+
+
+class Base:
+    def train_step(self, x):
+        loss = self.model(x).sum()
+        loss.backward()
+        self.opt.step()
+
+
+class Learner(Base):
+    def __init__(self, model):
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+class Other:
+    def train_step(self, x):
+        return 0.0
+
+"""
+
+
+@pytest.mark.parametrize(
+    "body, found",
+    [
+        # inherited from a local base class
+        ("def main(model, data):\n    learner = Learner(model)\n    for x in data:\n        learner.train_step(x)\n", True),
+        # bound at module level, called in a loop there
+        ("learner = Learner(torch.nn.Linear(2, 1))\nfor x in []:\n    learner.train_step(x)\n", True),
+        # a parameter: what it holds is not known without running the script
+        ("def main(learner, data):\n    for x in data:\n        learner.train_step(x)\n", False),
+        # bound to two different classes
+        ("def main(model, data, fast):\n    learner = Learner(model)\n    if fast:\n        learner = Other()\n"
+         "    for x in data:\n        learner.train_step(x)\n", False),
+        # bound by a loop target as well
+        ("def main(model, data):\n    learner = Learner(model)\n    for learner in [learner]:\n"
+         "        for x in data:\n            learner.train_step(x)\n", False),
+    ],
+    ids=["inherited", "module_level", "parameter", "two_classes", "loop_target"],
+)
+def test_a_method_call_on_an_object_resolves_only_where_one_local_class_binds_it(tmp_path, body, found):
+    script = tmp_path / "train.py"
+    script.write_text(LEARNER + body)
+    assert bool(load_project(script).loops) is found
+
+
 def test_a_loss_bound_only_inside_a_micro_step_loop_is_accumulated(tmp_path):
     # the nanoGPT shape: backward inside `for micro_step in range(accum)`, one optimizer step after it
     body = """

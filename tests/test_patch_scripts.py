@@ -110,6 +110,7 @@ ONE_BACKWARD_PER_STEP = {
     "amp_branches.py": [((), 1.0), (("--amp",), 65536.0)],  # GradScaler's initial scale: backward() sees loss * 2**16
     "two_optimizers.py": [((), 1.0)],
     "trainer_class.py": [((), 1.0)],
+    "trainer_step.py": [((), 1.0)],
     "rnn_optional_optimizer.py": [((), 1.0), (("--optimizer", "adamw"), 1.0)],
     "gpt_moduledict.py": [((), 1.0)],
 }
