@@ -113,14 +113,19 @@ def autocast(bf16_only: bool = False):
 
 def autocast_dtype(script_dtype):
     """The dtype of an autocast region the script already had: its own by default, else the knob's."""
-    dtype = knob("autocast.dtype")
-    return script_dtype if dtype == "default" else _dtype(dtype)
+    dtype = knob("autocast.dtype", record=False)
+    if dtype == "default":
+        return script_dtype
+    if _dtype(dtype) != script_dtype:  # (where the script's dtype is the knob's, nothing changed)
+        took_effect("autocast.dtype")
+    return _dtype(dtype)
 
 
 def scaler_enabled(script_enabled: bool = True) -> bool:
     """Whether the script's own GradScaler stays on: off under bf16, which needs no loss scaling."""
-    dtype = knob("autocast.dtype")
-    return bool(script_enabled) and dtype != "bf16"
+    # not recorded as applied: bf16 takes effect where a region runs in it (a scaler turned off alone changes no
+    # numbers: nanoGPT's is on by its own flag on a CPU, where it disables itself)
+    return bool(script_enabled) and knob("autocast.dtype", record=False) != "bf16"
 
 
 def _scaler():
@@ -133,7 +138,8 @@ def _scaler():
 
 
 def _fp16_injected() -> bool:
-    return knob("autocast.dtype") == "fp16"
+    # (autotune's own autocast region records the knob where it enters one: these helpers only follow it)
+    return knob("autocast.dtype", record=False) == "fp16"
 
 
 def scale(loss):

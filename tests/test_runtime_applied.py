@@ -52,6 +52,19 @@ def test_a_knob_counts_where_its_helper_changed_the_program(knobs):
     assert runtime.applied() == ["channels_last.enabled", "compile.mode"]
 
 
+def test_bf16_counts_only_where_a_region_runs_in_it(knobs):
+    # nanoGPT on a CPU: its autocast is in the arm of a conditional that is not taken, and its GradScaler is turned
+    # off (it was on by its own flag, and disabled itself without CUDA): bf16 changed nothing
+    knobs(autocast__dtype="bf16")
+    assert runtime.scaler_enabled(False) is False and runtime.scaler_enabled(True) is False
+    loss = torch.ones(())
+    assert runtime.scale(loss) is loss and runtime.unscale_(torch.optim.SGD([torch.zeros(1)], lr=0.1)) is None
+    assert runtime.autocast_dtype(torch.bfloat16) is torch.bfloat16  # a region already in bf16: nothing changes
+    assert runtime.applied() == []
+    assert runtime.autocast_dtype(torch.float16) is torch.bfloat16  # the script's fp16 region, now bf16
+    assert runtime.applied() == ["autocast.dtype"]
+
+
 def test_unreached_names_changed_knobs_that_never_ran():
     table = all_knobs()
     changed = [table["compile.mode"], table["channels_last.enabled"]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import libcst as cst
+import libcst.matchers as m
 
 from autotune.analysis import ModuleFacts
 from autotune.project import Project, TrainingLoop, is_framework_backward
@@ -445,12 +446,7 @@ def _autocast_context(facts: ModuleFacts, with_: cst.With) -> cst.Call | None:
 
 def _unwrap_scale(recv: cst.BaseExpression) -> tuple[cst.BaseExpression, bool]:
     """The loss inside ``scaler.scale(loss)`` or ``_autotune.scale(loss)``, and whether it was scaled."""
-    if (
-        isinstance(recv, cst.Call)
-        and isinstance(recv.func, cst.Attribute)
-        and recv.func.attr.value == "scale"
-        and len(recv.args) == 1
-    ):
+    if m.matches(recv, m.Call(func=m.Attribute(attr=m.Name("scale")), args=[m.Arg()])):
         return recv.args[0].value, True
     return recv, False
 
@@ -538,7 +534,7 @@ def _torch_name(facts: ModuleFacts, edits: Edits, baking: bool) -> str:
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
 
 import contextlib
-from autotune.knob_values import _fail, device_type, knob
+from autotune.knob_values import _fail, device_type, knob, took_effect
 
 
 _scaler_obj = None
@@ -570,14 +566,19 @@ def autocast(bf16_only: bool = False):
 
 def autocast_dtype(script_dtype):
     """The dtype of an autocast region the script already had: its own by default, else the knob's."""
-    dtype = knob("autocast.dtype")
-    return script_dtype if dtype == "default" else _dtype(dtype)
+    dtype = knob("autocast.dtype", record=False)
+    if dtype == "default":
+        return script_dtype
+    if _dtype(dtype) != script_dtype:  # (where the script's dtype is the knob's, nothing changed)
+        took_effect("autocast.dtype")
+    return _dtype(dtype)
 
 
 def scaler_enabled(script_enabled: bool = True) -> bool:
     """Whether the script's own GradScaler stays on: off under bf16, which needs no loss scaling."""
-    dtype = knob("autocast.dtype")
-    return bool(script_enabled) and dtype != "bf16"
+    # not recorded as applied: bf16 takes effect where a region runs in it (a scaler turned off alone changes no
+    # numbers: nanoGPT's is on by its own flag on a CPU, where it disables itself)
+    return bool(script_enabled) and knob("autocast.dtype", record=False) != "bf16"
 
 
 def _scaler():
@@ -590,7 +591,8 @@ def _scaler():
 
 
 def _fp16_injected() -> bool:
-    return knob("autocast.dtype") == "fp16"
+    # (autotune's own autocast region records the knob where it enters one: these helpers only follow it)
+    return knob("autocast.dtype", record=False) == "fp16"
 
 
 def scale(loss):
