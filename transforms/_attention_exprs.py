@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import libcst as cst
+from libcst import matchers  # (``m`` names an attention match in this module)
 
 from autotune.analysis import ModuleFacts
 from autotune.syntax import (
@@ -135,16 +136,18 @@ def _is_module_attr(func: cst.Attribute) -> bool:
     )
 
 
+# float("inf")
+_FLOAT_OF_STRING = matchers.Call(func=matchers.Name("float"), args=[matchers.Arg(value=matchers.SimpleString())])
+
+
 def _is_neg_inf(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
     """``float('-inf')``, ``-float('inf')``, ``-math.inf``, ``-torch.inf``, ``float("-inf")``."""
-    if isinstance(node, cst.Call) and is_name(node.func, "float") and len(node.args) == 1:
-        arg = node.args[0].value
-        return isinstance(arg, cst.SimpleString) and arg.evaluated_value.strip().lower() in ("-inf", "-infinity")
-    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
+    if matchers.matches(node, _FLOAT_OF_STRING):
+        return node.args[0].value.evaluated_value.strip().lower() in ("-inf", "-infinity")
+    if matchers.matches(node, matchers.UnaryOperation(operator=matchers.Minus())):
         inner = node.expression
-        if isinstance(inner, cst.Call) and is_name(inner.func, "float") and len(inner.args) == 1:
-            arg = inner.args[0].value
-            return isinstance(arg, cst.SimpleString) and arg.evaluated_value.strip().lower() in ("inf", "infinity")
+        if matchers.matches(inner, _FLOAT_OF_STRING):
+            return inner.args[0].value.evaluated_value.strip().lower() in ("inf", "infinity")
         return facts.qualname(inner) in ("math.inf", "torch.inf", "numpy.inf")
     return False
 
@@ -157,16 +160,13 @@ def _is_zero(node: cst.BaseExpression) -> bool:
     return False
 
 
+_VIEW_METHODS = ("view", "reshape", "unsqueeze", "bool", "to", "float")
+_VIEW = matchers.Call(func=matchers.Attribute(attr=matchers.OneOf(*map(matchers.Name, _VIEW_METHODS))))
+
+
 def _strip_view(node: cst.BaseExpression) -> cst.BaseExpression:
     """``torch.tril(...).view(1, 1, n, n)`` -> ``torch.tril(...)``."""
-    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in (
-        "view",
-        "reshape",
-        "unsqueeze",
-        "bool",
-        "to",
-        "float",
-    ):
+    while matchers.matches(node, _VIEW):
         node = node.func.value
     return node
 
