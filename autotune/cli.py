@@ -20,10 +20,6 @@ from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
 from autotune.patch import CONFIG_NAME, DIFF_NAME, PatchResult, check_out_dir, run, select, write_in_place, write_outputs
 from autotune.transform import Site, Status, all_knobs, all_transforms
 
-LOOKED_FOR = (
-    "no training loop found: looked for a for/while loop whose body, directly or through a local function, "
-    "calls .backward() and an optimizer's .step()"
-)
 STATUS_STYLE = {
     Status.APPLICABLE: "green",
     Status.PRESENT: "cyan",
@@ -99,6 +95,11 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
             "script": args.path,
             "files": [m.display for m in project.modules],
             "training_loops": _loops_summary(project),
+            "framework_training": [
+                {"framework": f.framework, "path": f.module.display, "line": f.module.position(f.call)[0],
+                 "call": f.module.code(f.call.func)}
+                for f in project.frameworks
+            ],
             "sites": [_site_json(s) for s in sites],
             "transforms": [
                 {
@@ -118,7 +119,7 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
         where = ", ".join(f"{l['path']}:{l['line']}" for l in loops)
         console.print(f"[bold]{args.path}[/]: {len(project.modules)} file(s), training loop(s) at {where}")
     else:
-        console.print(f"[bold]{args.path}[/]: {LOOKED_FOR}")
+        console.print(f"[bold]{args.path}[/]: {project.no_loop_reason()}")
     from rich.table import Table  # only here: start-up is part of every command's time
 
     table = Table(show_lines=False)
@@ -144,7 +145,7 @@ def _print_diff(result: PatchResult, console: Console) -> None:
 def cmd_patch(args: argparse.Namespace, console: Console) -> int:
     project = load_project(Path(args.path))
     if not project.loops:
-        raise NoTrainingLoop(f"{args.path}: {LOOKED_FOR}; nothing patched")
+        raise NoTrainingLoop(f"{args.path}: {project.no_loop_reason()}; nothing patched")
     result = run(project, select(_split_list(args.only), _split_list(args.skip)))
     if not result.changed:
         present = sum(s.status is Status.PRESENT for s in result.sites)
@@ -247,7 +248,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     path = Path(args.path)
     project = load_project(path)
     if not project.loops:
-        raise NoTrainingLoop(f"{args.path}: {LOOKED_FOR}; nothing to search")
+        raise NoTrainingLoop(f"{args.path}: {project.no_loop_reason()}; nothing to search")
     options = SearchOptions(
         script=path,
         args=tuple(args.script_args),

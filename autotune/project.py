@@ -84,6 +84,39 @@ def is_framework_backward(facts: ModuleFacts, call: cst.Call) -> bool:
     return False
 
 
+NO_LOOP = (
+    "no training loop found: looked for a for/while loop whose body, directly or through a local function, "
+    "calls .backward() and an optimizer's .step()"
+)
+# Trainer classes that run the training loop inside the library: constructor -> the framework, as users name it.
+FRAMEWORK_TRAINERS = {
+    "transformers.Trainer": "the Hugging Face Trainer",
+    "transformers.trainer.Trainer": "the Hugging Face Trainer",
+    "transformers.Seq2SeqTrainer": "the Hugging Face Trainer",
+    "transformers.trainer_seq2seq.Seq2SeqTrainer": "the Hugging Face Trainer",
+    "trl.SFTTrainer": "the Hugging Face Trainer (TRL)",
+    "trl.DPOTrainer": "the Hugging Face Trainer (TRL)",
+    "lightning.Trainer": "the Lightning Trainer",
+    "lightning.pytorch.Trainer": "the Lightning Trainer",
+    "lightning.pytorch.trainer.trainer.Trainer": "the Lightning Trainer",
+    "pytorch_lightning.Trainer": "the Lightning Trainer",
+}
+_TRAINS = {"train", "fit"}  # Trainer.train(), Trainer.fit(model)
+
+
+@dataclass(frozen=True, eq=False)
+class FrameworkTraining:
+    """A call that trains inside a library's own loop: ``trainer.train()``, ``trainer.fit(model, dm)``."""
+
+    framework: str  # "the Hugging Face Trainer"
+    module: ModuleFacts
+    call: cst.Call
+
+    def where(self) -> str:
+        line, _ = self.module.position(self.call)
+        return f"{self.module.display}:{line}: {self.module.code(self.call.func)}()"
+
+
 @dataclass(frozen=True, eq=False)
 class TrainingLoop:
     """A loop whose body, directly or through local functions, calls ``backward()`` and an optimizer's ``step()``."""
@@ -105,7 +138,18 @@ class Project:
     scheduler_names: set[str] = field(default_factory=set)
     loops: list[TrainingLoop] = field(default_factory=list)
     module_classes: set[str] = field(default_factory=set)  # qualified names of local nn.Module subclasses
+    frameworks: list[FrameworkTraining] = field(default_factory=list)  # training inside a library's loop
     _targets: dict[cst.Call, tuple[ModuleFacts, cst.FunctionDef] | None] = field(default_factory=dict, repr=False)
+
+    def no_loop_reason(self) -> str:
+        """Why no training loop was found, as the user reads it."""
+        if self.frameworks:
+            f = self.frameworks[0]
+            return (
+                f"training runs inside {f.framework} ({f.where()}): autotune does not tune a framework's own loop "
+                "yet, and found no training loop of the script's own"
+            )
+        return NO_LOOP
 
     def by_modname(self, name: str) -> ModuleFacts | None:
         return next((m for m in self.modules if m.modname == name), None)
@@ -207,6 +251,17 @@ class Project:
             owner, cls = classes.pop()
             return self._method_of(owner, cls, method, 0)
         return None
+
+    def framework_of(self, facts: ModuleFacts, ctor: cst.BaseExpression, depth: int = 0) -> str | None:
+        """The framework whose Trainer ``ctor`` builds: one of FRAMEWORK_TRAINERS, or a local subclass of one."""
+        qual = facts.qualname(ctor)
+        if qual in FRAMEWORK_TRAINERS:
+            return FRAMEWORK_TRAINERS[qual]
+        found = self._class_named(qual)
+        if found is None or depth >= 3:
+            return None
+        owner, cls = found
+        return next((f for b in cls.bases if (f := self.framework_of(owner, b.value, depth + 1)) is not None), None)
 
     def _local_class(self, facts: ModuleFacts, value: cst.BaseExpression) -> tuple[ModuleFacts, cst.ClassDef] | None:
         """The local class ``value`` instantiates (``Learner(...)``), with the module that defines it."""
@@ -339,6 +394,7 @@ def _read_project(entry: Path) -> Project:
     _resolve_star_imports(project)
     _collect_names(project)
     _find_loops(project)
+    _find_frameworks(project)
     return project
 
 
@@ -421,6 +477,31 @@ def _scope_calls(
             seen.add(target[1])
             scopes.extend(_scope_calls(project, target[0], target[1], depth + 1, seen))
     return scopes
+
+
+def _find_frameworks(project: Project) -> None:
+    """The calls that train inside a framework's Trainer: ``trainer.train()`` where every binding of ``trainer`` in
+    its function (else the module) builds one, and ``Trainer(...).fit(model)``."""
+    for facts in project.modules:
+        for call in facts.calls:
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value in _TRAINS):
+                continue
+            recv = func.value
+            framework = None
+            if isinstance(recv, cst.Call):
+                framework = project.framework_of(facts, recv.func)
+            elif isinstance(recv, cst.Name):
+                function = facts.function_of(call)
+                for scope in (function, facts.module) if function is not None else (facts.module,):
+                    binds = assignments(facts, scope, recv.value)
+                    if binds:
+                        found = {project.framework_of(facts, a.value.func) if isinstance(a.value, cst.Call) else None
+                                 for a in binds}
+                        framework = found.pop() if len(found) == 1 else None
+                        break
+            if framework is not None:
+                project.frameworks.append(FrameworkTraining(framework, facts, call))
 
 
 def _find_loops(project: Project) -> None:

@@ -86,8 +86,8 @@ def prepare(options: SearchOptions, about: Mapping[str, Any] | None = None) -> P
     project = load_project(options.script)
     if not project.loops:
         raise NoTrainingLoop(
-            f"{options.script}: no training loop found (a loop that calls .backward() and an optimizer's .step()); "
-            "autotune search needs one to time training steps and compare losses"
+            f"{options.script}: {project.no_loop_reason()}; autotune search needs one to time training steps and "
+            "compare losses"
         )
     device = str(about["device"]) if about else resolve_device(options.device)
     patch = run(project, select())

@@ -1,0 +1,63 @@
+"""Training inside a framework's Trainer (issue 21.1): scan names the framework and the call that trains; patch and
+search refuse with that, in one line, since autotune does not tune a framework's own loop yet. The fixtures are
+parsed, never run (transformers and lightning are not needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+from autotune.project import load_project
+
+FRAMEWORKS = Path(__file__).resolve().parent.parent / "fixtures" / "frameworks"
+
+
+@pytest.mark.parametrize(
+    "name, framework, call",
+    [
+        ("hf_trainer.py", "the Hugging Face Trainer", "trainer.train"),
+        ("trainer_subclass.py", "the Hugging Face Trainer", "trainer.train"),  # a local subclass of transformers.Trainer
+        ("lightning_fit.py", "the Lightning Trainer", "L.Trainer(max_epochs=1, limit_train_batches=100).fit"),
+    ],
+)
+def test_the_call_that_trains_inside_a_framework_is_found(name, framework, call):
+    project = load_project(FRAMEWORKS / name)
+    assert not project.loops
+    # once each: nn.Module.train() and trainer.evaluate() are not training calls
+    assert [(f.framework, f.module.code(f.call.func)) for f in project.frameworks] == [(framework, call)]
+
+
+def test_a_train_call_on_an_object_of_no_known_trainer_is_not_framework_training(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import transformers\n"
+        "from mylib import Trainer\n"
+        "trainer = Trainer()\n"
+        "trainer.train()\n"
+        "other = transformers.Trainer() if False else Trainer()\n"  # one binding, not a Trainer call of a framework
+        "other.train()\n"
+    )
+    assert load_project(script).frameworks == []
+
+
+def test_scan_names_the_framework_and_patch_refuses_with_it(tmp_path, monkeypatch, capsys):
+    script = FRAMEWORKS / "hf_trainer.py"
+    assert main(["scan", str(script)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "training runs inside the Hugging Face Trainer" in out and "hf_trainer.py:39: trainer.train()" in out
+
+    assert main(["scan", str(script), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["training_loops"] == []
+    assert doc["framework_training"] == [
+        {"framework": "the Hugging Face Trainer", "path": str(script), "line": 39, "call": "trainer.train"}
+    ]
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["patch", str(script), "--out", "out"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "the Hugging Face Trainer" in err and "nothing patched" in err
+    assert not (tmp_path / "out").exists()
