@@ -737,3 +737,25 @@ def test_the_verdict_word_follows_the_interval(candidate, starts, tmp_path, monk
     c = search._verdict({}, _pairs(*[(1.0, s) for s in candidate]), None, None, "m")
     assert c.reason.startswith(starts), c.reason
     assert c.accepted == (starts == "faster in 5 of 5 A/B pairs")
+
+
+def test_a_configuration_is_affordable_only_where_its_own_confirmation_fits_too(tmp_path, monkeypatch):
+    """Should it become the best, a configuration is confirmed in its own A/B pairs: a compiling one costs more to
+    confirm than a plain best so far (makemore: a compiling configuration tried with 44 s left won, and its
+    confirmation ran out of time at 4 of 5 pairs)."""
+    from autotune.search.budget import RUN_MARGIN
+
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.run()
+    compiling = next(dict(r.config) for r in search.results if r.measured and search._compiles(r.config))
+    plain = next(dict(r.config) for r in search.results if r.role == "search" and not search._compiles(r.config))
+    monkeypatch.setattr(search, "candidates", lambda: [(plain, 1.2)])  # the best so far does not compile
+    run_cost = RUN_MARGIN * search._cost(compiling)
+    best_only, with_own = run_cost + search._reserve(), run_cost + search._reserve(compiling)
+    assert with_own > best_only
+    search.deadline = clock.now + (best_only + with_own) / 2  # covers the best's confirmation, not its own
+    assert not search.affordable(compiling)
+    assert search.affordable(plain)
+    search.deadline = clock.now + with_own + 1e-6
+    assert search.affordable(compiling)
