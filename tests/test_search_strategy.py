@@ -759,3 +759,26 @@ def test_a_configuration_is_affordable_only_where_its_own_confirmation_fits_too(
     assert search.affordable(plain)
     search.deadline = clock.now + with_own + 1e-6
     assert search.affordable(compiling)
+
+
+def test_the_searchs_own_time_around_each_run_is_planned_for(tmp_path, monkeypatch):
+    """Each look at the study costs the search time that a run's own wall does not show (a trainer-step script's runs
+    took 4.5 s where 3.5 s was planned, and its confirmation ran out of time at 4 of 5 pairs): a run is planned at
+    its wall and the search's own time around it, measured between one run's end and the next one's."""
+    from autotune.search.budget import RUN_MARGIN
+
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    refresh = search._refresh
+
+    def slow_refresh():  # every look at the study takes 2 s
+        clock.now += 2.0
+        refresh()
+
+    monkeypatch.setattr(search, "_refresh", slow_refresh)
+    search.run()
+    assert search._overhead() == pytest.approx(2.0, abs=0.01)
+    planned = search._estimate()
+    assert search._reserve(search.space.baseline()) == pytest.approx(RUN_MARGIN * search.o.confirm * 2 * planned)
+    search._overheads.clear()  # without it, as before: the run's wall alone
+    assert planned - search._estimate() == pytest.approx(2.0, abs=0.01)
