@@ -6,13 +6,14 @@ Built from each file's facts (``autotune.analysis``); nothing here imports or ru
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import libcst as cst
 
 from autotune.analysis import _UNKNOWN, ModuleFacts, deep, no_gc, read_source
-from autotune.syntax import assignments, stores
+from autotune.syntax import assignments, is_param, stores
 
 # torch.optim classes that are not optimizers.
 _NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.", "torch.optim.Optimizer")
@@ -224,69 +225,62 @@ class Project:
         target = owner.function_named(name)
         return (owner, target) if target is not None else None
 
+    def constructed(self, facts: ModuleFacts, at: cst.CSTNode, name: str) -> list[cst.Call] | None:
+        """The calls that build what ``name`` holds where ``at`` reads it: the values of its ``name = X(...)``
+        assignments in the enclosing function (else at module level), where those are its only bindings there.
+
+        None where ``name`` is bound any other way there (a parameter, a loop target, ``with ... as``), to anything
+        but a call, or nowhere: what it holds cannot be known without running the script.
+        """
+        function = facts.function_of(at)
+        for scope in (function, facts.module) if function is not None else (facts.module,):
+            binds = assignments(facts, scope, name)
+            targets = {id(t.target) for a in binds for t in a.targets}
+            if isinstance(scope, cst.FunctionDef) and is_param(scope, name):
+                return None
+            if any(id(n) not in targets for n in stores(facts, scope, name)):
+                return None
+            if binds:
+                values = [a.value for a in binds]
+                return values if all(isinstance(v, cst.Call) for v in values) else None
+        return None
+
     def _instance_method(
         self, facts: ModuleFacts, call: cst.Call, name: str, method: str
     ) -> tuple[ModuleFacts, cst.FunctionDef] | None:
-        """``learner.train_step(x, y)`` where ``learner`` is bound only by ``learner = Learner(...)`` of one local
-        class, in the call's function (else at module level): that class's method, or a local base class's.
-
-        A name bound any other way there (a parameter, a loop target, ``with ... as``) is not resolved: what it holds
-        cannot be known without running the script.
-        """
-        function = facts.function_of(call)
-        for scope in (function, facts.module) if function is not None else (facts.module,):
-            binds = assignments(facts, scope, name)
-            params = scope.params if isinstance(scope, cst.FunctionDef) else None
-            named = params is not None and any(
-                p.name.value == name for p in (*params.posonly_params, *params.params, *params.kwonly_params)
-            )
-            targets = {id(t.target) for a in binds for t in a.targets}
-            if named or any(id(n) not in targets for n in stores(facts, scope, name)):
-                return None
-            if not binds:
-                continue
-            classes = {self._local_class(facts, a.value) for a in binds}
-            if len(classes) != 1 or None in classes:
-                return None
-            owner, cls = classes.pop()
-            return self._method_of(owner, cls, method, 0)
+        """``learner.train_step(x, y)`` where ``learner`` is built only by ``Learner(...)`` of one local class (see
+        ``constructed``): that class's method, or a local base class's."""
+        ctors = self.constructed(facts, call, name) or []
+        classes = {self._class_named(facts.qualname(c.func)) for c in ctors}
+        if len(classes) != 1 or None in classes:
+            return None
+        for _, found in self._lineage(facts, ctors[0].func):
+            if found is not None and (target := found[0].method_named(found[1], method)) is not None:
+                return found[0], target
         return None
 
-    def framework_of(self, facts: ModuleFacts, ctor: cst.BaseExpression, depth: int = 0) -> str | None:
+    def framework_of(self, facts: ModuleFacts, ctor: cst.BaseExpression) -> str | None:
         """The framework whose Trainer ``ctor`` builds: one of FRAMEWORK_TRAINERS, or a local subclass of one."""
-        qual = facts.qualname(ctor)
-        if qual in FRAMEWORK_TRAINERS:
-            return FRAMEWORK_TRAINERS[qual]
-        found = self._class_named(qual)
-        if found is None or depth >= 3:
-            return None
-        owner, cls = found
-        return next((f for b in cls.bases if (f := self.framework_of(owner, b.value, depth + 1)) is not None), None)
+        return next((FRAMEWORK_TRAINERS[q] for q, _ in self._lineage(facts, ctor) if q in FRAMEWORK_TRAINERS), None)
 
-    def _local_class(self, facts: ModuleFacts, value: cst.BaseExpression) -> tuple[ModuleFacts, cst.ClassDef] | None:
-        """The local class ``value`` instantiates (``Learner(...)``), with the module that defines it."""
-        if not isinstance(value, cst.Call):
-            return None
-        return self._class_named(facts.qualname(value.func))
+    def _lineage(
+        self, facts: ModuleFacts, expr: cst.BaseExpression, depth: int = 0
+    ) -> Iterator[tuple[str | None, tuple[ModuleFacts, cst.ClassDef] | None]]:
+        """The class ``expr`` names, then its bases depth first, three levels deep: each as its qualified name and,
+        where the project defines it, the module and the class."""
+        qual = facts.qualname(expr)
+        found = self._class_named(qual)
+        yield qual, found
+        if found is not None and depth < 3:
+            owner, cls = found
+            for base in cls.bases:
+                yield from self._lineage(owner, base.value, depth + 1)
 
     def _class_named(self, qual: str | None) -> tuple[ModuleFacts, cst.ClassDef] | None:
         modname, _, name = (qual or "").rpartition(".")
         owner = self.by_modname(modname)
         cls = owner.classes.get(name) if owner is not None else None
         return (owner, cls) if cls is not None else None
-
-    def _method_of(
-        self, owner: ModuleFacts, cls: cst.ClassDef, method: str, depth: int
-    ) -> tuple[ModuleFacts, cst.FunctionDef] | None:
-        target = owner.method_named(cls, method)
-        if target is not None:
-            return owner, target
-        if depth < 3:
-            for base in cls.bases:
-                found = self._class_named(owner.qualname(base.value))
-                if found is not None and (hit := self._method_of(*found, method, depth + 1)) is not None:
-                    return hit
-        return None
 
 
 def _module_path(root: Path, dotted: str) -> Path | None:
@@ -481,7 +475,7 @@ def _scope_calls(
 
 def _find_frameworks(project: Project) -> None:
     """The calls that train inside a framework's Trainer: ``trainer.train()`` where every binding of ``trainer`` in
-    its function (else the module) builds one, and ``Trainer(...).fit(model)``."""
+    its function (else the module) builds one (see ``Project.constructed``), and ``Trainer(...).fit(model)``."""
     for facts in project.modules:
         for call in facts.calls:
             func = call.func
@@ -492,14 +486,8 @@ def _find_frameworks(project: Project) -> None:
             if isinstance(recv, cst.Call):
                 framework = project.framework_of(facts, recv.func)
             elif isinstance(recv, cst.Name):
-                function = facts.function_of(call)
-                for scope in (function, facts.module) if function is not None else (facts.module,):
-                    binds = assignments(facts, scope, recv.value)
-                    if binds:
-                        found = {project.framework_of(facts, a.value.func) if isinstance(a.value, cst.Call) else None
-                                 for a in binds}
-                        framework = found.pop() if len(found) == 1 else None
-                        break
+                found = {project.framework_of(facts, c.func) for c in project.constructed(facts, call, recv.value) or ()}
+                framework = found.pop() if len(found) == 1 else None
             if framework is not None:
                 project.frameworks.append(FrameworkTraining(framework, facts, call))
 

@@ -160,6 +160,12 @@ def attr_chain(node: cst.CSTNode) -> list[str] | None:
     return parts[::-1] if is_name(node, "self") and parts else None
 
 
+def is_param(fn: cst.FunctionDef, name: str) -> bool:
+    """Whether ``fn`` takes a parameter called ``name`` (positional or keyword; not ``*args`` or ``**kwargs``)."""
+    params = fn.params
+    return any(p.name.value == name for p in (*params.posonly_params, *params.params, *params.kwonly_params))
+
+
 def keyword(call: cst.Call, name: str) -> cst.Arg | None:
     return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
 

@@ -39,6 +39,9 @@ def test_a_train_call_on_an_object_of_no_known_trainer_is_not_framework_training
         "trainer.train()\n"
         "other = transformers.Trainer() if False else Trainer()\n"  # one binding, not a Trainer call of a framework
         "other.train()\n"
+        "trained = transformers.Trainer()\n"
+        "def fit(trained):\n"  # a parameter shadows the module's Trainer: what it holds is not known
+        "    trained.train()\n"
     )
     assert load_project(script).frameworks == []
 

@@ -15,6 +15,7 @@ from autotune.syntax import (
     assignments,
     int_value,
     is_name,
+    is_param,
     names_read,
     positional,
     self_attr,
@@ -32,7 +33,6 @@ DROPOUT_MODULE = {"torch.nn.Dropout"}
 _NUMBER_FUNCS = {"float", "int", "len", "abs", "min", "max", "round"}
 _SHAPE_METHODS = {"size", "numel", "dim", "ndimension"}
 _SAFE_SMALL = (cst.Assign, cst.AnnAssign, cst.AugAssign, cst.Expr, cst.Pass)
-
 
 
 class _NoMatch(Exception):
@@ -381,11 +381,11 @@ def _is_number(facts: ModuleFacts, node: cst.BaseExpression, m: _Match, depth: i
         root = node
         while isinstance(root, cst.Attribute):
             root = root.value
-        return isinstance(root, cst.Name) and fn is not None and fn.name.value == "__init__" and _is_param(fn, root.value)
+        return isinstance(root, cst.Name) and fn is not None and fn.name.value == "__init__" and is_param(fn, root.value)
     if isinstance(node, cst.Name):
         if fn is None:
             return False
-        if fn.name.value == "__init__" and _is_param(fn, node.value):
+        if fn.name.value == "__init__" and is_param(fn, node.value):
             return True  # constructor arguments that scale attention are sizes
         found = assignments(facts, fn, node.value)
         if found:
@@ -402,11 +402,3 @@ def _is_shape(node: cst.BaseExpression) -> bool:
     return (isinstance(node, cst.Attribute) and node.attr.value == "shape") or (
         isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "size"
     )
-
-
-def _is_param(fn: cst.FunctionDef, name: str) -> bool:
-    params = fn.params
-    every = [*params.posonly_params, *params.params, *params.kwonly_params]
-    return any(p.name.value == name for p in every)
-
-
