@@ -569,9 +569,10 @@ def autocast_dtype(script_dtype):
     dtype = knob("autocast.dtype", record=False)
     if dtype == "default":
         return script_dtype
-    if _dtype(dtype) != script_dtype:  # (where the script's dtype is the knob's, nothing changed)
+    chosen = _dtype(dtype)
+    if chosen != script_dtype:  # (where the script's dtype is the knob's, nothing changed)
         took_effect("autocast.dtype")
-    return _dtype(dtype)
+    return chosen
 
 
 def scaler_enabled(script_enabled: bool = True) -> bool:
