@@ -241,7 +241,7 @@ def cmd_knobs(args: argparse.Namespace, console: Console) -> int:
 def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from autotune.search.live import SearchDisplay
     from autotune.search.report import print_summary, write_outputs
-    from autotune.search.options import SearchOptions
+    from autotune.search.options import DEFAULT_STEPS, DEFAULT_WARMUP, SearchOptions
     from autotune.search.search import run_search
     from autotune.search.storage import storage_url
 
@@ -255,8 +255,9 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         out=Path(args.out),
         trials=args.trials,
         time_budget=args.time_budget,
-        steps=args.steps,
-        warmup=args.warmup,
+        steps=DEFAULT_STEPS if args.steps is None else args.steps,
+        warmup=DEFAULT_WARMUP if args.warmup is None else args.warmup,
+        lengthen=args.steps is None and args.warmup is None,
         device=args.device,
         storage=storage_url(args.storage),
         study_name=args.study_name,
@@ -375,8 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-steps", type=int, metavar="N",
         help="your real run's length in steps: rank by time to train N steps, compile time included",
     )
-    search.add_argument("--steps", type=int, default=20, help="measured training steps per trial (default 20)")
-    search.add_argument("--warmup", type=int, default=5, help="warm-up steps before the measured ones (default 5)")
+    search.add_argument(
+        "--steps", type=int,
+        help="measured training steps per trial (default 20; more, timing about 1 s, where a step is that cheap)",
+    )
+    search.add_argument(
+        "--warmup", type=int, help="warm-up steps before the measured ones (default 5; more with longer runs)"
+    )
     search.add_argument(
         "--device", default="auto", choices=("auto", "cpu", "cuda"),
         help="device to tune for (default: auto, CUDA where torch sees a GPU, else the CPU)",

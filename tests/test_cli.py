@@ -292,3 +292,27 @@ def test_knobs_json_lists_every_knob_with_its_default_first(capsys):
         declared = all_knobs()[k["name"]]
         assert k["choices"][0] == declared.default and sorted(map(str, k["choices"])) == sorted(map(str, declared.choices))
         assert k["numerics"] in ("exact", "reorder", "lowp") and k["devices"] and k["help"]
+
+
+class _Asked(Exception):
+    pass
+
+
+@pytest.mark.parametrize("given, lengthen, lengths", [
+    ((), True, (5, 20)),
+    (("--steps", "20"), False, (5, 20)),
+    (("--warmup", "3"), False, (3, 20)),
+])
+def test_search_lengthens_cheap_runs_only_where_the_user_left_the_run_lengths_to_it(
+    tmp_path, monkeypatch, given, lengthen, lengths
+):
+    asked = []
+
+    def fake_run_search(options, display):
+        asked.append(options)
+        raise _Asked
+
+    monkeypatch.setattr("autotune.search.search.run_search", fake_run_search)
+    with pytest.raises(_Asked):
+        main(["search", str(CNN), "--out", str(tmp_path / "out"), *given])
+    assert asked[0].lengthen is lengthen and (asked[0].warmup, asked[0].steps) == lengths

@@ -687,6 +687,117 @@ def test_a_budget_the_first_run_alone_exceeds_names_the_budget_not_the_timeout(t
     assert [role for _, role, _ in runner.runs] == ["baseline"]
 
 
+
+# --- runs long enough to time (issue 19: a character MLP timed 0.15 s after 3 s of start-up) ----------------------
+
+
+class CheapStepRunner(FakeRunner):
+    """A script whose steps are cheap next to its start-up (5 ms against 3 s), and which runs ``ends_after`` steps at
+    most (the trial is then short, as the real runner reports it); warm-up and measured steps as asked."""
+
+    base_step = 0.005
+    ends_after = 10**6
+
+    def __init__(self, clock, *args, **kwargs):
+        super().__init__(clock)
+        self.warmup, self.lengths = 1, []
+
+    def resize(self, warmup, steps):
+        self.warmup, self.steps = warmup, steps
+
+    def run(self, config, role, timeout, on_start=None, attrs=None):
+        from autotune.search.trial import Outcome, TrialResult
+
+        self.lengths.append((self.warmup, self.steps))
+        total = self.warmup + self.steps
+        if total > self.ends_after:
+            self.runs.append((dict(config), role, timeout))
+            self.clock.now += self.startup + self.ends_after * self.base_step
+            return TrialResult(config=dict(config), role=role, status=Outcome.SHORT, steps_done=self.ends_after,
+                               error=f"the script ended after {self.ends_after} training steps", wall_s=3.0)
+        steps, self.steps = self.steps, total  # the fake's own run: every step's loss, the warm-up's too
+        try:
+            got = super().run(config, role, timeout, on_start, attrs)
+        finally:
+            self.steps = steps
+        return got.with_(step_times=got.step_times[self.warmup:])
+
+
+def cheap_search(tmp_path, monkeypatch, ends_after=10**6, **options):
+    search, clock, _ = fake_search(tmp_path, monkeypatch, **options)
+    runner = CheapStepRunner(clock)
+    runner.ends_after = ends_after
+    search.runner_factory = lambda *a, **k: runner
+    return search, clock, runner
+
+
+def test_runs_of_a_script_whose_steps_are_cheap_are_lengthened_and_the_gate_compares_at_the_new_length(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, runner = cheap_search(tmp_path, monkeypatch, time_budget=900.0, lengthen=True)
+    outcome = search.run()
+    # 8 steps of 5 ms time 0.04 s: lengthened to 1 s of steps (200), the warm-up in proportion (25 = 8 x 1 / 8 x 200)
+    assert runner.lengths[0] == (1, 8) and set(runner.lengths[1:]) == {(25, 200)}
+    assert outcome.lengths == (25, 200)
+    assert outcome.fit_note.startswith("runs lengthened from 1 + 8 to 25 + 200 steps: a step takes 5.0 ms next to")
+    roles = [role for _, role, _ in runner.runs]
+    assert roles[:4] == ["baseline", "baseline", "baseline", "perturbed"]  # two baselines at the new length
+    # the first (short) run is neither the reference nor noise: the gate compares every step of the long runs
+    assert len(search._reference().losses) == 225 and len(search._baselines()) >= 2
+    assert all(len(b.step_times) == 200 for b in search._all_baselines())
+    gated = [r for r in outcome.results if r.role == "search" and str(r.status) == "ok"]
+    assert gated and all(len(r.losses) == 225 for r in gated)
+    assert outcome.winner is not None and outcome.wall_s <= 900 * 1.05
+    from autotune.search.report import write_outputs
+
+    write_outputs(outcome)
+    assert "25 warm-up + 200 measured steps per run (runs lengthened from 1 + 8" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_runs_are_not_lengthened_where_the_user_set_the_steps(tmp_path, monkeypatch):
+    search, clock, runner = cheap_search(tmp_path, monkeypatch, trials=3, lengthen=False)
+    outcome = search.run()
+    assert set(runner.lengths) == {(1, 8)} and outcome.fit_note is None
+
+
+def test_runs_are_not_lengthened_where_steps_already_take_long_enough(tmp_path, monkeypatch):
+    search, clock, runner = fake_search(tmp_path, monkeypatch, trials=3, lengthen=True)  # 8 steps of 0.5 s: 4 s
+    outcome = search.run()
+    assert outcome.fit_note is None and outcome.lengths == (1, STEPS)
+
+
+def test_a_script_that_ends_before_the_lengthened_runs_keeps_the_asked_ones(tmp_path, monkeypatch):
+    search, clock, runner = cheap_search(tmp_path, monkeypatch, ends_after=40, trials=3, lengthen=True)
+    outcome = search.run()
+    assert runner.lengths[:3] == [(1, 8), (25, 200), (1, 8)]  # the long run was short: back to the asked lengths
+    assert outcome.lengths == (1, 8)
+    assert outcome.fit_note == "runs kept at 1 + 8 steps: the script ended after 40 steps, before the 225 of the " \
+        "lengthened runs (more iterations after -- would let it time longer ones)"
+    assert search._reference() is outcome.results[0] or search._reference().number == outcome.results[0].number
+    assert len([b for b in search._baselines()]) >= 2
+
+
+def test_a_tight_budget_lengthens_runs_only_as_far_as_they_fit(tmp_path, monkeypatch):
+    # at 4.1 s a run of 25 + 200 steps, 70 s fits the least search (3 baselines, a candidate, 5 pairs, with their
+    # margins) and room for 3 more candidates only at runs of 2 + 20 steps (3.1 s): longer than asked, no longer
+    search, clock, runner = cheap_search(tmp_path, monkeypatch, time_budget=70.0, lengthen=True)
+    outcome = search.run()
+    assert outcome.lengths == (2, 20) and outcome.fit_note.endswith("; no longer, to fit the time budget")
+    assert outcome.wall_s <= 70 * 1.05
+
+
+def test_longer_runs_time_about_a_second_within_their_bounds():
+    from autotune.search.budget import RunCost, longer
+
+    assert longer(RunCost(3.0, 0.5), 5, 20) is None  # 10 s of steps already
+    assert longer(RunCost(3.0, 0.03), 5, 20) is None  # 0.6 s: more than half the window
+    got = longer(RunCost(3.0, 0.007), 5, 20)  # makemore's shape: 0.14 s timed
+    assert (got.warmup, got.steps) == (36, 143) and "7.0 ms next to 3.0s of start-up" in got.note
+    tiny = longer(RunCost(1.0, 1e-5), 5, 20)  # never more than 50 times the asked steps
+    assert (tiny.warmup, tiny.steps) == (250, 1000)
+
+
 # --- the confirmation's verdict (issue 19.3) -------------------------------------------------------------------
 
 

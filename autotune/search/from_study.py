@@ -33,6 +33,7 @@ def report_from_study(storage: str, study_name: str | None, out: Path, script: P
         train_steps=about.get("train_steps"),
         steps=int(about["steps"]),
         warmup=int(about["warmup"]),
+        lengthen=bool(about.get("lengthen", False)),
         device=str(about["device"]),
         storage=storage,
         study_name=name,

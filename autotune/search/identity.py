@@ -45,6 +45,8 @@ def fingerprint(patch: PatchResult, options: SearchOptions, device: str, space: 
     }
     if options.launcher:  # (only then, so that studies made before launchers existed still resume)
         doc["launcher"] = shlex.split(options.launcher)
+    if options.lengthen:  # runs may be longer than the asked lengths: the first baseline decides
+        doc["lengthen"] = True
     if options.train_steps:  # the objective: time to train this many steps, compile included
         doc["train_steps"] = options.train_steps
     h.update(json.dumps(doc, sort_keys=True, default=str).encode())

@@ -9,6 +9,8 @@ from pathlib import Path
 from autotune.errors import AutotuneError
 
 DEFAULT_BUDGET_S = 900.0  # when neither --trials nor --time-budget is given
+DEFAULT_STEPS = 20  # measured steps per run
+DEFAULT_WARMUP = 5  # and warm-up steps before them
 
 
 class SearchFailed(AutotuneError):
@@ -32,8 +34,9 @@ class SearchOptions:
     out: Path = Path("autotune-out")
     trials: int | None = None  # distinct configurations, the baseline included; None: no limit but the budget
     time_budget: float | None = None  # seconds for the whole command; None with trials None: DEFAULT_BUDGET_S
-    steps: int = 20
-    warmup: int = 5
+    steps: int = DEFAULT_STEPS
+    warmup: int = DEFAULT_WARMUP
+    lengthen: bool = False  # runs longer than steps + warmup where those time too little (the CLI's default)
     device: str = "auto"
     storage: str | None = None
     study_name: str | None = None

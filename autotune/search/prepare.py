@@ -47,6 +47,7 @@ class Prepared:
             "device": self.device,
             "steps": options.steps,
             "warmup": options.warmup,
+            "lengthen": options.lengthen,
             "trials": options.trials,
             "time_budget": options.budget,
             "confirm": options.confirm,

@@ -20,9 +20,12 @@ from autotune.search.budget import (
     OUTPUT_S,
     RUN_MARGIN,
     SLACK,
+    BudgetTooSmall,
+    Fit,
     Least,
     first_run_too_long,
     fit,
+    longer,
     run_cost,
 )
 from autotune.search.credit import knob_worth, startup
@@ -107,7 +110,8 @@ class Search:
         self.deadline = math.inf  # set when the search runs
         self.hard_end = math.inf  # no run goes past this: the deadline and SLACK of the budget, less the outputs' time
         self.lengths = (options.warmup, options.steps)  # of the runs after the first baseline (fitted to the budget)
-        self.fit_note: str | None = None  # what fitting the budget gave up
+        self.fit_note: str | None = None  # what fitting the budget gave up, or why runs were lengthened
+        self._asked: tuple[int, int] | None = None  # the lengths asked for, while runs run lengthened beyond them
         self.reserved_s: float | None = None
         self.plan: Plan | None = None
         self._overheads: list[float] = []  # the search's own seconds around each run (see _overhead)
@@ -362,7 +366,14 @@ class Search:
 
     def _baselines(self, machine: str | None = None) -> list[TrialResult]:
         machine = self._mine(machine)
-        return [r for r in self.results if r.role == ROLE_BASELINE and r.measured and r.machine == machine]
+        return [r for r in self.results
+                if r.role == ROLE_BASELINE and r.measured and r.machine == machine and self._whole(r)]
+
+    def _whole(self, r: TrialResult) -> bool:
+        """Whether ``r`` timed as many steps as the runs do now: in a study whose runs were lengthened beyond the
+        asked ones (see ``_fit_lengths``), its first baseline run timed fewer, and is neither the gate's reference
+        nor noise."""
+        return self.lengths[1] <= self.o.steps or not r.step_times or len(r.step_times) >= self.lengths[1]
 
     def _reference(self, machine: str | None = None) -> TrialResult | None:
         base = self._baselines(machine)
@@ -370,7 +381,8 @@ class Search:
 
     def _perturbed(self, machine: str | None = None) -> list[TrialResult]:
         machine = self._mine(machine)
-        return [r for r in self.results if r.role == ROLE_PERTURBED and r.measured and r.machine == machine]
+        return [r for r in self.results
+                if r.role == ROLE_PERTURBED and r.measured and r.machine == machine and self._whole(r)]
 
     def _noise(self, machine: str | None = None) -> Noise:
         """The baseline's noise on ``machine``: in loss from its baseline runs, in time from every run of the
@@ -380,7 +392,7 @@ class Search:
 
     def _all_baselines(self, machine: str | None = None) -> list[TrialResult]:
         machine = self._mine(machine)
-        return [r for r in self.results if is_baseline_run(r) and r.measured and r.machine == machine]
+        return [r for r in self.results if is_baseline_run(r) and r.measured and r.machine == machine and self._whole(r)]
 
     def _watch_noise(self, result: TrialResult) -> None:
         """Say at once when this machine's baseline runs disagree in time beyond NOISY, with the likely cause."""
@@ -497,6 +509,13 @@ class Search:
         return result
 
     def _baseline_failed(self, result: TrialResult) -> None:
+        if result.status is Outcome.SHORT and self._asked is not None:  # the script ends before the longer runs do
+            self._set_lengths(self._asked, (
+                f"runs kept at {self._asked[0]} + {self._asked[1]} steps: the script ended after {result.steps_done} "
+                f"steps, before the {sum(self.lengths)} of the lengthened runs (more iterations after -- would let "
+                "it time longer ones)"), force=True)
+            self._asked = None
+            return
         if result.status is Outcome.SHORT:
             raise UsageError(f"{self.o.script}: {result.error}")
         if result.status is Outcome.INTERRUPTED:  # the budget stopped it
@@ -543,9 +562,12 @@ class Search:
                 return "the descent had converged (resumed study)"
         # two baselines back to back on a machine new to the study, so its noise is known from the first trial on;
         # one when resuming, as the machine may have changed since
-        for _ in range(max(1, 2 - len(self._baselines()))):
+        need = max(1, 2 - len(self._baselines()))
+        while need > 0:
             self._trial(self.space.baseline(), ROLE_BASELINE)
-            self._fit_budget()
+            need -= 1
+            if self._fit_lengths():
+                need += 1  # the first run is shorter than the runs are now: one more at their length
         # on a GPU, runs that agree bit for bit at first drift apart from a step that varies run to run (atomics): where
         # the first two differ, a third back to back, so that the noise floor is not one sample's chance
         if self.device == "cuda" and len(self._baselines()) == 2 and not self._noise().deterministic:
@@ -652,21 +674,56 @@ class Search:
         on a CPU (a third baseline on a GPU whose runs differ), one candidate and the minimum confirmation."""
         return Least(1 + (self.threads is not None or self.device == "cuda"), MIN_PAIRS)
 
-    def _fit_budget(self) -> None:
-        """After the first baseline of a new study: fit the run lengths to the time left (shorter runs where the
-        least search and a few candidates would not fit), or refuse, before any more time is spent."""
-        if not math.isfinite(self.deadline) or len(self._baselines()) != 1 or len(self.results) != 1:
-            return
+    def _fit_lengths(self) -> bool:
+        """After the first baseline of a new study: the run lengths for the rest of it. Longer where the asked
+        runs time too little to measure (``budget.longer``; not where the user set --steps or --warmup), shorter
+        where the least search and a few candidates would not fit the time left (or a refusal, before any more
+        time is spent). True where the runs grew: the first run is then too short to be the gate's reference."""
+        if len(self._baselines()) != 1 or len(self.results) != 1:
+            return False
         first = self.results[0]
         cost = run_cost(first.wall_s, first.step_time or 0.0, first.steps_done or sum(self.lengths))
-        fitted = fit(self._time_left(), self.clock() - self.started, self.o.budget, cost, *self.lengths, self._least())
-        lengths = self.store.fit_lengths(fitted.warmup, fitted.steps)
-        if lengths != self.lengths:
-            self.lengths = lengths
-            self.runner.resize(*lengths)
-            self.results = [self._trim(r) for r in self.results]
-            self.fit_note = fitted.note if lengths == (fitted.warmup, fitted.steps) else (
-                f"runs of {lengths[0]} + {lengths[1]} steps, as the study's first worker fitted them to its budget")
+        budgeted = math.isfinite(self.deadline)
+        grown = longer(cost, *self.lengths) if self.o.lengthen and not self.o.train_steps else None
+        if grown is not None and budgeted:
+            grown = self._fit_longer(cost, grown)
+        if grown is not None:
+            self._asked = asked = self.lengths
+            self._set_lengths((grown.warmup, grown.steps), (
+                f"runs lengthened from {asked[0]} + {asked[1]} to {grown.warmup} + {grown.steps} steps: {grown.note}"))
+            return sum(self.lengths) > sum(asked)
+        if budgeted:
+            fitted = fit(self._time_left(), self.clock() - self.started, self.o.budget, cost, *self.lengths,
+                         self._least())
+            self._set_lengths((fitted.warmup, fitted.steps), fitted.note)
+        return False
+
+    def _fit_longer(self, cost, grown: Fit) -> Fit | None:
+        """``grown`` fitted to the time left, with one more baseline run (at the longer length); None where only
+        runs no longer than the asked ones fit."""
+        least = self._least()
+        try:
+            fitted = fit(self._time_left(), self.clock() - self.started, self.o.budget, cost, grown.warmup,
+                         grown.steps, replace(least, baselines=least.baselines + 1))
+        except BudgetTooSmall:
+            return None
+        if fitted.warmup + fitted.steps <= sum(self.lengths):
+            return None
+        return Fit(fitted.warmup, fitted.steps, grown.note + ("" if fitted.note is None else
+                                                               "; no longer, to fit the time budget"))
+
+    def _set_lengths(self, lengths: tuple[int, int], note: str | None, force: bool = False) -> None:
+        """Run the study's next runs at ``lengths`` (the ones another worker of the study fitted win, unless
+        ``force``: this worker found the script too short for its own longer ones)."""
+        got = self.store.fit_lengths(*lengths, force=force)
+        if got == self.lengths:
+            return
+        self.lengths = got
+        self.runner.resize(*got)
+        self.results = [self._trim(r) for r in self.results]
+        self.fit_note = note if got == lengths else (
+            f"runs of {got[0]} + {got[1]} steps, as the study's first worker fitted them to its budget")
+        if self.fit_note:
             self.display.note(self.fit_note)
 
     # confirming the winner

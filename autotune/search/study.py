@@ -161,9 +161,10 @@ class StudyStore:
         return None
 
     @retrying
-    def fit_lengths(self, warmup: int, steps: int) -> tuple[int, int]:
-        """Record the run lengths fitted to the budget, unless a worker already did: the lengths in force."""
-        if self.lengths() is None:
+    def fit_lengths(self, warmup: int, steps: int, force: bool = False) -> tuple[int, int]:
+        """Record the run lengths fitted to the budget, unless a worker already did (or ``force``): the lengths
+        in force."""
+        if force or self.lengths() is None:
             self.study.set_user_attr(STUDY_LENGTHS, [warmup, steps])
         return self.lengths() or (warmup, steps)
 
