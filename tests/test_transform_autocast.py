@@ -61,6 +61,7 @@ def _losses(tmp: Path, label: str, text: str, steps: int, dtype: str | None = No
         ("basic", [Status.APPLICABLE]),
         ("gan", [Status.APPLICABLE, Status.APPLICABLE]),
         ("amp_scaler", [Status.PRESENT, Status.PRESENT, Status.PRESENT]),
+        ("amp_switch", [Status.PRESENT, Status.PRESENT]),
         ("bf16_no_scaler", [Status.PRESENT, Status.PRESENT]),
         ("dtype_variable", [Status.PRESENT, Status.PRESENT]),
         ("disabled_region", [Status.USER, Status.APPLICABLE]),
@@ -226,12 +227,14 @@ STEPS = {
     "user_autocast_lookalike": 6,
     "step_one_line": 6,
     "optimizer_on_one_path": 6,
+    "amp_switch": 6,
 }
 BF16_ONLY = {"optimizer_on_one_path"}  # fp16 not offered: no safe place for its gradient scaling
 SCRIPT_DTYPE = {"amp_scaler": "fp16"}  # cases that autocast already
+SWITCHED_OFF = {"amp_switch"}  # its own region, off: fp16 keeps it off (no scaler goes with it), bf16 turns it on
 # every script run costs seconds: the quick suite runs these, the rest are marked slow
-FAST_DEFAULT = {"basic", "amp_scaler"}
-FAST_VALUES = {("basic", "fp16"), ("amp_scaler", "bf16")}
+FAST_DEFAULT = {"basic", "amp_scaler", "amp_switch"}
+FAST_VALUES = {("basic", "fp16"), ("amp_scaler", "bf16"), ("amp_switch", "bf16")}
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +272,8 @@ def test_each_dtype_trains_and_bakes_to_the_same_losses(tmp_path, original, name
     patched = _losses(tmp_path, "patched", _text(name), steps, dtype=dtype)
     if SCRIPT_DTYPE.get(name) == dtype:
         assert patched == original(name)  # the script's own precision
+    elif name in SWITCHED_OFF and dtype == "fp16":  # its region left off: fp32, the loss scaled by 2**16 for backward
+        assert [float.fromhex(v) / 2**16 for v in patched] == [float.fromhex(v) for v in original(name)]
     else:
         assert patched != original(name), "the knob changed nothing"
     baked_text = _text(name, dtype)
@@ -331,3 +336,32 @@ def test_where_fp16_scaling_has_no_safe_place_bf16_alone_is_offered(tmp_path):
     assert ran.returncode == 1 and "Traceback" not in ran.stderr
     assert "autocast.dtype=fp16 is not offered for this script (bf16 only" in ran.stderr
     assert _text("optimizer_on_one_path", "fp16") == _case("optimizer_on_one_path").read_text()  # bake: no change
+
+
+def test_a_region_the_script_switches_off_is_a_knob_that_bf16_switches_on(knob_value):
+    """``autocast(dtype=torch.bfloat16, enabled=use_amp)`` with use_amp False: present, switched off. It was left
+    as "already autocasts in bf16", with no knob (issue 21.3)."""
+    (region, _) = _result("amp_switch").sites
+    assert region.reason == (
+        "the script autocasts (dtype=torch.bfloat16) behind its own switch, enabled=args.amp (present, switched off "
+        "where that is false): its dtype becomes the knob, and bf16 switches the region on"
+    )
+    assert [k.name for k in _result("amp_switch").knobs] == ["autocast.dtype"]
+    import torch
+
+    for value, switch, on, effect in [("default", False, False, False), ("default", True, True, False),
+                                      ("bf16", False, True, True), ("fp16", False, False, False),
+                                      ("fp16", True, True, True)]:
+        knob_value(value)
+        dtype = runtime_helpers.autocast_dtype(torch.bfloat16, enabled=switch)
+        assert runtime_helpers.autocast_enabled(switch) is on, (value, switch)
+        assert ("autocast.dtype" in runtime.applied()) is effect, (value, switch)
+        assert dtype == {"default": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}[value]
+
+
+def test_a_switch_that_calls_something_is_not_read_twice(tmp_path):
+    source = _case("amp_switch").read_text().replace("enabled=args.amp", "enabled=use_amp()")
+    script = tmp_path / "switch_call.py"
+    script.write_text(source.replace("torch.manual_seed(0)", "use_amp = lambda: args.amp\ntorch.manual_seed(0)"))
+    result = run(load_project(script), select([T]), Mode(), hooks=False)
+    assert "autocast_enabled" not in result.files[0].new_text and "enabled=use_amp())" in result.files[0].new_text

@@ -52,6 +52,7 @@ class _Plan:
     # bake: the device_type of each wrap's autocast, as code read at run time (None: whichever device torch has)
     devices: dict[cst.BaseStatement, str | None] = field(default_factory=dict)
     autocasts: list[cst.Call] = field(default_factory=list)  # the script's own, to make their dtype a knob
+    switched: list[cst.Call] = field(default_factory=list)  # of those, the ones on the script's own switch (enabled=)
     scalers: list[cst.Call] = field(default_factory=list)  # the script's own GradScalers
     scale: list[cst.Call] = field(default_factory=list)  # backward() calls whose loss goes through a scaler
     steps: list[cst.Call] = field(default_factory=list)
@@ -111,7 +112,7 @@ class Autocast(Transform):
             return
         torch = _torch_name(facts, edits, self.baking())
         for call in plan.autocasts:
-            self._knob_autocast(facts, edits, call, torch)
+            self._knob_autocast(facts, edits, call, torch, call in plan.switched)
         for call in plan.scalers:
             self._knob_scaler(facts, edits, call)
         for group in plan.wraps:
@@ -144,13 +145,20 @@ class Autocast(Transform):
             if plan.scaler_at_top:
                 edits.after_imports(create.with_changes(leading_lines=[cst.EmptyLine()]))
 
-    def _knob_autocast(self, facts: ModuleFacts, edits: Edits, call: cst.Call, torch: str) -> None:
+    def _knob_autocast(self, facts: ModuleFacts, edits: Edits, call: cst.Call, torch: str, switched: bool) -> None:
+        switch = facts.code(_switch(call)) if switched else None
         if self.mode.gated:
             fn = edits.runtime("autocast_dtype")
-            new = lambda value: expr(f"{fn}({value})")  # noqa: E731
+            extra = f", enabled={switch}" if switch is not None else ""
+            new = lambda value: expr(f"{fn}({value}{extra})")  # noqa: E731
+            if switch is not None:
+                on = edits.runtime("autocast_enabled")
+                edits.rewrite(keyword(call, "enabled"), lambda node: node.with_changes(value=expr(f"{on}({switch})")))
         else:
             baked = f"{torch}.{DTYPE_CODE[self._dtype()]}"
             new = lambda value: expr(baked)  # noqa: E731
+            if switch is not None and self._dtype() == "bf16":  # the plain setting: the region on
+                edits.rewrite(keyword(call, "enabled"), lambda node: node.with_changes(value=expr("True")))
         arg = keyword(call, "dtype")
         if arg is None and positional_arg(call, 1) is not None:
             arg = positional_arg(call, 1)
@@ -198,8 +206,9 @@ class Autocast(Transform):
 
         enabled_autocasts = [(f, c) for f, c in autocasts if _enabled_autocast(f, c)]
         # bf16 autocast without a GradScaler is already the optimization: trying fp16 would mean adding a scaler
+        # (not where the script switches its region itself, enabled=use_amp: it may be off, and bf16 turns it on)
         self._settled = bool(enabled_autocasts) and not scalers and all(
-            _dtype_qualname(f, c) == "torch.bfloat16" for f, c in enabled_autocasts
+            _dtype_qualname(f, c) == "torch.bfloat16" and _switch(c) is None for f, c in enabled_autocasts
         )
         for facts, call in autocasts:
             plan, code = plans[facts], _short(facts, call)
@@ -215,6 +224,13 @@ class Autocast(Transform):
             else:
                 uses = f"dtype={facts.code(dtype.value)}" if dtype is not None else "the device's default dtype"
                 reason = f"the script autocasts ({uses}); its dtype becomes the knob"
+                switch = _switch(call)
+                if switch is not None:
+                    reason = (
+                        f"the script autocasts ({uses}) behind its own switch, enabled={facts.code(switch)} (present, "
+                        "switched off where that is false): its dtype becomes the knob, and bf16 switches the region on"
+                    )
+                    plan.switched.append(call)
                 plan.reports.append((call, Status.PRESENT, reason))
                 plan.autocasts.append(call)
         for facts, call in scalers:
@@ -394,6 +410,20 @@ def _short(facts: ModuleFacts, call: cst.Call) -> str:
 def _dtype_qualname(facts: ModuleFacts, call: cst.Call) -> str | None:
     dtype = keyword(call, "dtype") or positional_arg(call, 1)
     return facts.qualname(dtype.value) if dtype is not None else None
+
+
+def _switch(call: cst.Call) -> cst.BaseExpression | None:
+    """The script's own switch of an autocast region, ``enabled=use_amp``: an expression that reads names,
+    attributes, items and literals, and compares them (the knob's code reads it twice, so it must do nothing of its
+    own); None where the region is always on, off by a literal, or switched by anything else (a call)."""
+    enabled = keyword(call, "enabled")
+    if enabled is None or is_literal(enabled.value, True) or is_literal(enabled.value, False):
+        return None
+    acts = (cst.Call, cst.NamedExpr, cst.Await, cst.Yield, cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp,
+            cst.GeneratorExp)
+    if any(isinstance(n, acts) for n in walk(enabled.value, itself=True)):
+        return None
+    return enabled.value
 
 
 def _enabled_autocast(facts: ModuleFacts, call: cst.Call) -> bool:
