@@ -650,6 +650,21 @@ def test_noisy_baselines_are_said_at_once_with_the_load_average_and_the_likely_c
     assert outcome.noisy and "differ by" in outcome.noisy  # and the report says it again, over every baseline run
 
 
+def test_a_noisy_machine_keeps_time_for_enough_pairs_that_one_lost_pair_does_not_sink_a_win(tmp_path, monkeypatch):
+    (tmp_path / "quiet").mkdir()
+    quiet, _, _ = fake_search(tmp_path / "quiet", monkeypatch, time_budget=900.0)
+    quiet.run()
+    assert quiet._pairs_kept() == 5  # --confirm, where baseline runs agree
+    (tmp_path / "noisy").mkdir()
+    search, clock, _ = fake_search(tmp_path / "noisy", monkeypatch, time_budget=900.0)
+    search.runner_factory = lambda *a, **k: NoisyRunner(clock)
+    search.run()
+    assert search._noise().time > 0.25
+    # 7 of 8 pairs faster gives p = 0.035; 4 of 5, 5 of 6 and 6 of 7 do not reach 0.05
+    assert search._pairs_kept() == 8
+    assert search._reserve() == pytest.approx(8 / 5 * quiet._reserve(), rel=0.3)
+
+
 def test_a_start_knob_whose_code_never_runs_is_left_out_at_once_with_every_value():
     """fused AdamW on a script that creates its optimizer only under a flag it was not given: the start is
     'unreached'; the knob is left out (no bisection), and the descent never tries its other values."""

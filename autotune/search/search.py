@@ -19,6 +19,7 @@ from autotune.search.budget import (
     MIN_PAIRS,
     OUTPUT_S,
     RUN_MARGIN,
+    ALPHA,
     SLACK,
     BudgetTooSmall,
     Fit,
@@ -45,7 +46,7 @@ from autotune.search.outcome import (
 )
 from autotune.search.machine import Machine, this_machine
 from autotune.search.space import config_key
-from autotune.search.strategy import Plan, label
+from autotune.search.strategy import Plan, label, sign_test
 from autotune.search.view import StudyView
 from autotune.search.storage import open_storage
 from autotune.search.study import (
@@ -305,13 +306,24 @@ class Search:
         return base + compile_s
 
     def _reserve(self, config: Mapping[str, Any] | None = None) -> float:
-        """The time set aside for confirming ``config`` (or the best candidate so far): --confirm A/B pairs, with the
-        margin a single run gets (runs vary: makemore's fifth pair was cut by the budget with four of four faster)."""
+        """The time set aside for confirming ``config`` (or the best candidate so far): ``_pairs_kept()`` A/B pairs,
+        with the margin a single run gets (runs vary: makemore's fifth pair was cut by the budget with four of four
+        faster)."""
         if config is None:
             ranked = self.candidates()
             config = ranked[0][0] if ranked else None
         cost = self._cost(config) if config is not None else self._estimate()
-        return RUN_MARGIN * self.o.confirm * (self._estimate() + cost)
+        return RUN_MARGIN * self._pairs_kept() * (self._estimate() + cost)
+
+    def _pairs_kept(self) -> int:
+        """The A/B pairs the time set aside for confirmation covers: --confirm; on a machine whose baseline runs
+        differ by more than NOISY, as many as it takes for one pair lost to the noise to leave the sign test still
+        saying faster (8 with --confirm 5: 7 of 8 faster gives p = 0.035). makemore at 300 s: its 1.25x candidate
+        (baseline runs 58% apart) was faster in 5 of 6 pairs when the budget ended, after a single slow pair."""
+        spread = self._noise().time
+        if spread is None or spread <= NOISY:
+            return self.o.confirm
+        return next(n for n in range(self.o.confirm, 64) if sign_test(n - 1, n) <= ALPHA)
 
     def _time_left(self) -> float:
         return self.deadline - self.clock()
