@@ -32,6 +32,7 @@ __all__ = [
     'compile_seconds',
     'compile_step_begin',
     'dataloader_kwargs',
+    'dataloader_switch',
     'ddp_kwargs',
     'detect_anomaly',
     'env_value',
@@ -392,6 +393,18 @@ def compile_seconds(since: float | None = None) -> float | None:
 
 
 # --- dataloader (transforms/dataloader.py) --------------------------------------------------------
+
+
+def dataloader_switch(setting: str, script_value: Any) -> Any:
+    """A DataLoader setting the script switches itself (``num_workers=args.workers``): its value where it is on;
+    where it is off in this run (0, False), the knob's."""
+    if script_value:
+        return script_value
+    value = knob(f"dataloader.{setting}", record=False)
+    if not value:
+        return script_value
+    took_effect(f"dataloader.{setting}")
+    return value
 
 
 def dataloader_kwargs(**script: Any) -> dict[str, Any]:

@@ -32,6 +32,7 @@ DATASET = TensorDataset(torch.arange(8.0))
         ("plain", [A]),
         ("user_workers", [A]),
         ("user_zero_workers", [A]),
+        ("switched_off", [A]),  # a config's switches, off by default
         ("batch_sampler", [A]),
         ("all_set", [U]),
         ("kwargs_splat", [N]),  # read from a config file
@@ -48,7 +49,13 @@ def test_sites(name, expected):
 
 def test_reasons():
     assert sites(T, "user_workers")[0].reason == (
-        "DataLoader: pin_memory, persistent_workers, prefetch_factor become knobs; num_workers=args.workers kept as written"
+        "DataLoader: pin_memory, persistent_workers, prefetch_factor become knobs; num_workers=args.workers: the "
+        "script's own switch (present, switched off where 0 or False), which the knobs turn on there"
+    )
+    assert sites(T, "switched_off")[0].reason == (
+        'DataLoader: persistent_workers, prefetch_factor become knobs; num_workers=cfg["workers"], '
+        'pin_memory=cfg["pin_memory"] and torch.cuda.is_available(): the script\'s own switches (present, switched '
+        "off where 0 or False), which the knobs turn on there"
     )
     assert sites(T, "user_zero_workers")[0].reason == "DataLoader: pin_memory becomes a knob; num_workers=0 kept as written"
     assert sites(T, "kwargs_splat")[0].reason == "**CONFIG may set the loader settings"
@@ -65,7 +72,8 @@ def test_the_knob_table_lists_only_knobs_that_can_change_something():
 
     assert knob_names("plain") == sorted(KNOBS)
     assert knob_names("user_zero_workers") == ["dataloader.pin_memory"]
-    assert "dataloader.num_workers" not in knob_names("user_workers")
+    # num_workers=0 written as a constant is the script's choice; num_workers=args.workers is its switch: a knob
+    assert "dataloader.num_workers" in knob_names("user_workers")
 
 
 # --- the runtime helper -----------------------------------------------------------------------------------
@@ -185,7 +193,10 @@ def test_baked_calls_are_legal_and_match_the_runtime(name, set_knobs):
         for workers in (0, 2):
             settings = _baked_settings(text, workers)
             assert _legal(settings), (knobs, settings)
-            expected = runtime.dataloader_kwargs(**_baked_settings(case_text(name), workers))
+            script = _baked_settings(case_text(name), workers)
+            if name == "user_workers":  # num_workers=args.workers: the script's switch, which the knob turns on at 0
+                script["num_workers"] = runtime.dataloader_switch("num_workers", script["num_workers"])
+            expected = runtime.dataloader_kwargs(**script)
             # baked code writes plain values only where they differ from DataLoader's own defaults
             normal = {k: v for k, v in settings.items() if (k, v) not in DEFAULTS}
             assert normal == {k: v for k, v in expected.items() if (k, v) not in DEFAULTS}, (knobs, workers)
@@ -255,6 +266,10 @@ def test_losses_with_the_scripts_own_workers(tmp_path, workers):
     knobs = {"dataloader.persistent_workers": True, "dataloader.prefetch_factor": 8}
     on = losses(tmp_path, "on", gated, knobs, args=args)
     assert losses(tmp_path, "baked", baked(T, "user_workers", knobs), args=args) == on == base
+    # the script's switch off (--workers 0): the knob turns it on; on (--workers 2): the script's count stands
+    knobs = {"dataloader.num_workers": 4}
+    on = losses(tmp_path, "switched", gated, knobs, args=args)
+    assert losses(tmp_path, "switched_baked", baked(T, "user_workers", knobs), args=args) == on == base
 
 
 @pytest.mark.slow
@@ -301,3 +316,24 @@ def test_persistent_workers_change_the_shuffle_from_the_second_epoch_so_no_defau
     assert plain[0] == persistent[0] and plain[1:] != persistent[1:]
     for device in ("cpu", "cuda"):
         assert read_space(device).choices["dataloader.persistent_workers"] == (False,), device
+
+
+def test_a_switch_of_the_scripts_is_its_value_where_on_and_the_knobs_where_off(set_knobs):
+    set_knobs({})
+    assert runtime.dataloader_switch("num_workers", 0) == 0 and "dataloader.num_workers" not in runtime.applied()
+    set_knobs({"dataloader.num_workers": 4, "dataloader.pin_memory": True})
+    assert runtime.dataloader_switch("num_workers", 2) == 2  # the script asked for workers: its count stands
+    assert "dataloader.num_workers" not in runtime.applied()
+    assert runtime.dataloader_switch("num_workers", 0) == 4 and "dataloader.num_workers" in runtime.applied()
+    assert runtime.dataloader_switch("pin_memory", False) is True
+    assert runtime.dataloader_kwargs(num_workers=runtime.dataloader_switch("num_workers", 0))["num_workers"] == 4
+
+
+@pytest.mark.slow
+def test_losses_with_the_scripts_switches_off(tmp_path):
+    base = original(tmp_path, T, "switched_off")
+    gated = patched(T, "switched_off")
+    assert losses(tmp_path, "default", gated) == base
+    knobs = {"dataloader.num_workers": 2, "dataloader.prefetch_factor": 4}
+    on = losses(tmp_path, "on", gated, knobs)
+    assert losses(tmp_path, "baked", baked(T, "switched_off", knobs)) == on == base

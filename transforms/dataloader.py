@@ -16,6 +16,10 @@ SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor"
 # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, ...): the sixth positional argument
 # and those after it would be settings passed by position.
 _POSITIONAL_SETTINGS = 5
+# settings a script may switch itself (num_workers=args.workers, pin_memory=args.pin): where its switch is off in a
+# run (0, False), the knob turns the setting on; where it is on, the script's value stands. (persistent_workers is not
+# one: switched on without workers, DataLoader refuses it.)
+SWITCHES = ("num_workers", "pin_memory")
 
 
 class Dataloader(Transform):
@@ -82,7 +86,8 @@ class Dataloader(Transform):
                 self.report(facts, call, Status.NOT_APPLICABLE, on_device)
                 continue
             written = {a.keyword.value: a.value for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
-            kept = ", ".join(f"{n}={facts.code(v)}" for n, v in written.items())
+            switches = {n: v for n, v in written.items() if n in SWITCHES and not _literal(v)}
+            kept = ", ".join(f"{n}={facts.code(v)}" for n, v in written.items() if n not in switches)
             # settings a splatted dict sets on some path: kept as the script sets them, on every path
             in_dicts: dict[str, list[cst.BaseExpression]] = {}
             for a in splats:
@@ -91,24 +96,44 @@ class Dataloader(Transform):
                         in_dicts.setdefault(key, []).extend(values)
             kept = ", ".join(filter(None, [kept, *(f"{k} in **{facts.code(a.value)}" for a in splats
                                                      for k in _dict_keys(facts, call, a.value) if k in SETTINGS)]))  # type: ignore[union-attr]
-            if len(written) + len(in_dicts) == len(SETTINGS):
+            if len(written) - len(switches) + len(in_dicts) == len(SETTINGS):
                 self.report(facts, call, Status.USER, f"DataLoader({kept}) is the script's choice")
                 continue
             workers = [written["num_workers"]] if "num_workers" in written else in_dicts.get("num_workers")
             free = [n for n in SETTINGS if n not in written and n not in in_dicts and self._matters(n, workers)]
             verb = "becomes a knob" if len(free) == 1 else "become knobs"
-            reason = f"DataLoader: {', '.join(free)} {verb}" + (f"; {kept} kept as written" if kept else "")
-            self.report(facts, call, Status.APPLICABLE, reason)
+            parts = [f"{', '.join(free)} {verb}"] if free else []
+            if switches:
+                own = ", ".join(f"{n}={facts.code(v)}" for n, v in switches.items())
+                parts.append(f"{own}: the script's own switch{'es' if len(switches) > 1 else ''} (present, switched "
+                             "off where 0 or False), which the knobs turn on there")
+            if kept:
+                parts.append(f"{kept} kept as written")
+            self.report(facts, call, Status.APPLICABLE, "DataLoader: " + "; ".join(parts))
             if self.mode.gated:
-                self.settings_read.update(free)
+                self.settings_read.update([*free, *switches])
                 helper = edits.runtime("dataloader_kwargs")
+                switch = edits.runtime("dataloader_switch")
                 moved = set(written)
-                # the dicts go through the helper too: it adds a knob's setting only where the script set none
-                edits.rewrite(call, lambda node, moved=moved, helper=helper: move_into_helper(node, moved, helper, splats=True))
+
+                def gated(node, moved=moved, helper=helper, switch=switch, names=set(switches)):
+                    node = node.with_changes(args=[_switched(a, switch) if a.keyword is not None and
+                                                   a.keyword.value in names else a for a in node.args])
+                    # the dicts go through the helper too: it adds a knob's setting only where the script set none
+                    return move_into_helper(node, moved, helper, splats=True)
+
+                edits.rewrite(call, gated)
             else:
                 extra = self._baked(facts, written, workers, splats)
-                if extra:
-                    edits.rewrite(call, lambda node, extra=extra: add_args(node, *extra))
+                on = self._switched_on(switches)
+                if extra or on:
+                    def baked(node, extra=extra, on=on):
+                        node = node.with_changes(args=[a.with_changes(value=on[a.keyword.value](a.value))
+                                                       if a.keyword is not None and a.keyword.value in on else a
+                                                       for a in node.args])
+                        return add_args(node, *extra) if extra else node
+
+                    edits.rewrite(call, baked)
 
     def _dataset_on_device(self, facts: ModuleFacts, call: cst.Call) -> str | None:
         """Why the loader's workers and pinned memory cannot be used: its Dataset moves items to the device.
@@ -174,6 +199,18 @@ class Dataloader(Transform):
             return not all(isinstance(v, cst.Integer) and int(v.value) == 0 for v in workers)
         return True
 
+    def _switched_on(self, switches: dict[str, cst.BaseExpression]) -> dict[str, object]:
+        """The baked value of each switch of the script's that the knobs turn on: ``args.workers or 2`` (the
+        script's count where it gives one, else the knob's), ``True`` for pinned memory."""
+        on: dict[str, object] = {}
+        workers, pin = self.mode.value(self.knobs[0]), self.mode.value(self.knobs[1])
+        if "num_workers" in switches and workers:
+            on["num_workers"] = lambda v: cst.BooleanOperation(
+                left=_parenthesized(v), operator=cst.Or(), right=cst.Integer(str(workers)))
+        if "pin_memory" in switches and pin:
+            on["pin_memory"] = lambda v: cst.Name("True")
+        return on
+
     def _baked(
         self, facts: ModuleFacts, written: dict[str, cst.BaseExpression], workers: list[cst.BaseExpression] | None,
         splats: list[cst.Arg],
@@ -184,7 +221,9 @@ class Dataloader(Transform):
         # `when`: None if the loader never has workers, "" if it always does, else the script's worker count
         if "num_workers" in written:
             value = written["num_workers"]
-            if isinstance(value, cst.Integer):
+            if not _literal(value) and n_workers:  # the script's switch, turned on: workers always
+                when = ""
+            elif isinstance(value, cst.Integer):
                 when = "" if int(value.value) > 0 else None
             else:
                 when = facts.code(value)
@@ -322,3 +361,24 @@ def dataloader_kwargs(**script: Any) -> dict[str, Any]:
     if out["num_workers"] == 0 and "num_workers" not in script:
         del out["num_workers"]  # leave DataLoader's own default in place, as the script did
     return out
+
+
+def _literal(value: cst.BaseExpression) -> bool:
+    """A setting written as a constant (``num_workers=0``, ``pin_memory=True``): the script's choice, not a switch."""
+    return isinstance(value, cst.Integer) or (isinstance(value, cst.Name) and value.value in ("True", "False", "None"))
+
+
+def _switched(arg: cst.Arg, helper: str) -> cst.Arg:
+    """``num_workers=args.workers`` -> ``num_workers=helper("num_workers", args.workers)``."""
+    name = arg.keyword.value  # type: ignore[union-attr]
+    return arg.with_changes(value=cst.Call(func=cst.parse_expression(helper), args=[
+        cst.Arg(cst.SimpleString(f'"{name}"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+        cst.Arg(arg.value),
+    ]))
+
+
+def _parenthesized(value: cst.BaseExpression) -> cst.BaseExpression:
+    """``value`` as the left operand of ``or``: in parentheses where it binds looser (a conditional, a lambda)."""
+    if isinstance(value, (cst.IfExp, cst.Lambda, cst.BooleanOperation, cst.NamedExpr)) and not value.lpar:
+        return value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return value
