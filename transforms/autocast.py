@@ -594,15 +594,27 @@ def autocast(bf16_only: bool = False):
     return torch.autocast(device_type=device_type(), dtype=_dtype(dtype))
 
 
-def autocast_dtype(script_dtype):
-    """The dtype of an autocast region the script already had: its own by default, else the knob's."""
+def autocast_dtype(script_dtype, enabled=True):
+    """The dtype of an autocast region the script already had: its own by default, else the knob's. ``enabled``:
+    the script's own switch of the region (``enabled=use_amp``), where it has one: the knob takes effect only
+    where the region runs (see autocast_enabled)."""
     dtype = knob("autocast.dtype", record=False)
     if dtype == "default":
         return script_dtype
     chosen = _dtype(dtype)
-    if chosen != script_dtype:  # (where the script's dtype is the knob's, nothing changed)
+    if chosen != script_dtype and (enabled or dtype == "bf16"):  # (the script's own dtype changes nothing)
         took_effect("autocast.dtype")
     return chosen
+
+
+def autocast_enabled(script_enabled):
+    """Whether a region the script switches itself (``enabled=use_amp``) runs: as the script says, and under bf16
+    also where its switch is off (bf16 needs no loss scaling; fp16 keeps the switch, as the script's own scaler
+    goes with it)."""
+    if script_enabled or knob("autocast.dtype", record=False) != "bf16":
+        return script_enabled
+    took_effect("autocast.dtype")
+    return True
 
 
 def scaler_enabled(script_enabled: bool = True) -> bool:

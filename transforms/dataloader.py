@@ -18,7 +18,8 @@ SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor"
 _POSITIONAL_SETTINGS = 5
 # settings a script may switch itself (num_workers=args.workers, pin_memory=args.pin): where its switch is off in a
 # run (0, False), the knob turns the setting on; where it is on, the script's value stands. (persistent_workers is not
-# one: switched on without workers, DataLoader refuses it.)
+# one: switched on without workers, DataLoader refuses it. Nor is a worker count beside persistent_workers or
+# prefetch_factor: the script means its workers to run.)
 SWITCHES = ("num_workers", "pin_memory")
 
 
@@ -87,6 +88,8 @@ class Dataloader(Transform):
                 continue
             written = {a.keyword.value: a.value for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
             switches = {n: v for n, v in written.items() if n in SWITCHES and not _literal(v)}
+            if {"persistent_workers", "prefetch_factor"} & set(written):
+                switches.pop("num_workers", None)  # settings for workers: the script means its count to be used
             kept = ", ".join(f"{n}={facts.code(v)}" for n, v in written.items() if n not in switches)
             # settings a splatted dict sets on some path: kept as the script sets them, on every path
             in_dicts: dict[str, list[cst.BaseExpression]] = {}
@@ -330,10 +333,43 @@ def _dict_keys(facts: ModuleFacts, at: cst.CSTNode, value: cst.BaseExpression) -
     return keys if keys or assignments(facts, scope, name) else None
 
 
+def _literal(value: cst.BaseExpression) -> bool:
+    """A setting written as a constant (``num_workers=0``, ``pin_memory=True``): the script's choice, not a switch."""
+    return isinstance(value, cst.Integer) or (isinstance(value, cst.Name) and value.value in ("True", "False", "None"))
+
+
+def _switched(arg: cst.Arg, helper: str) -> cst.Arg:
+    """``num_workers=args.workers`` -> ``num_workers=helper("num_workers", args.workers)``."""
+    name = arg.keyword.value  # type: ignore[union-attr]
+    return arg.with_changes(value=cst.Call(func=cst.parse_expression(helper), args=[
+        cst.Arg(cst.SimpleString(f'"{name}"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+        cst.Arg(arg.value),
+    ]))
+
+
+def _parenthesized(value: cst.BaseExpression) -> cst.BaseExpression:
+    """``value`` as the left operand of ``or``: in parentheses where it binds looser (a conditional, a lambda)."""
+    if isinstance(value, (cst.IfExp, cst.Lambda, cst.BooleanOperation, cst.NamedExpr)) and not value.lpar:
+        return value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return value
+
+
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
 
 from typing import Any
 from autotune.knob_values import default, knob, took_effect
+
+
+def dataloader_switch(setting: str, script_value: Any) -> Any:
+    """A DataLoader setting the script switches itself (``num_workers=args.workers``): its value where it is on;
+    where it is off in this run (0, False), the knob's."""
+    if script_value:
+        return script_value
+    value = knob(f"dataloader.{setting}", record=False)
+    if not value:
+        return script_value
+    took_effect(f"dataloader.{setting}")
+    return value
 
 
 def dataloader_kwargs(**script: Any) -> dict[str, Any]:
@@ -362,23 +398,3 @@ def dataloader_kwargs(**script: Any) -> dict[str, Any]:
         del out["num_workers"]  # leave DataLoader's own default in place, as the script did
     return out
 
-
-def _literal(value: cst.BaseExpression) -> bool:
-    """A setting written as a constant (``num_workers=0``, ``pin_memory=True``): the script's choice, not a switch."""
-    return isinstance(value, cst.Integer) or (isinstance(value, cst.Name) and value.value in ("True", "False", "None"))
-
-
-def _switched(arg: cst.Arg, helper: str) -> cst.Arg:
-    """``num_workers=args.workers`` -> ``num_workers=helper("num_workers", args.workers)``."""
-    name = arg.keyword.value  # type: ignore[union-attr]
-    return arg.with_changes(value=cst.Call(func=cst.parse_expression(helper), args=[
-        cst.Arg(cst.SimpleString(f'"{name}"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-        cst.Arg(arg.value),
-    ]))
-
-
-def _parenthesized(value: cst.BaseExpression) -> cst.BaseExpression:
-    """``value`` as the left operand of ``or``: in parentheses where it binds looser (a conditional, a lambda)."""
-    if isinstance(value, (cst.IfExp, cst.Lambda, cst.BooleanOperation, cst.NamedExpr)) and not value.lpar:
-        return value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-    return value
