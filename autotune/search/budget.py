@@ -9,7 +9,7 @@ fits at the shortest length, naming the smallest budget that would.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autotune.errors import UsageError
 from autotune.search.strategy import sign_test
@@ -129,6 +129,34 @@ def longer(cost: RunCost, warmup: int, steps: int) -> Fit | None:
         f"a step takes {cost.step_s * 1e3:.1f} ms next to {cost.startup_s:.1f}s of start-up, and {steps} steps "
         f"({steps * cost.step_s:.2f}s) are too short to time without much noise"
     ))
+
+
+def run_lengths(
+    cost: RunCost, warmup: int, steps: int, lengthen: bool, least: Least, left_s: float | None, spent_s: float,
+    budget: float,
+) -> Fit:
+    """The run lengths after the first baseline run, with what changed and why: ``longer`` ones where ``lengthen``
+    and the asked ones time too little (as long as the least search, one more baseline at that length and ROOM
+    candidates fit the ``left_s`` seconds left; not at all where only the asked ones do), else the asked ones fitted
+    to the time left (``fit``); ``left_s`` None: no time budget."""
+    grown = longer(cost, warmup, steps) if lengthen else None
+    if grown is not None and left_s is not None:
+        try:
+            fitted: Fit | None = fit(left_s, spent_s, budget, cost, grown.warmup, grown.steps,
+                                     replace(least, baselines=least.baselines + 1))
+        except BudgetTooSmall:
+            fitted = None
+        if fitted is None or fitted.warmup + fitted.steps <= warmup + steps:
+            grown = None
+        else:
+            grown = Fit(fitted.warmup, fitted.steps, grown.note + ("" if fitted.note is None else
+                                                                   "; no longer, to fit the time budget"))
+    if grown is not None:
+        return Fit(grown.warmup, grown.steps,
+                   f"runs lengthened from {warmup} + {steps} to {grown.warmup} + {grown.steps} steps: {grown.note}")
+    if left_s is None:
+        return Fit(warmup, steps)
+    return fit(left_s, spent_s, budget, cost, warmup, steps, least)
 
 
 def _lengths(warmup: int, steps: int) -> list[tuple[int, int]]:

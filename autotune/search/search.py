@@ -21,13 +21,10 @@ from autotune.search.budget import (
     RUN_MARGIN,
     ALPHA,
     SLACK,
-    BudgetTooSmall,
-    Fit,
     Least,
     first_run_too_long,
-    fit,
-    longer,
     run_cost,
+    run_lengths,
 )
 from autotune.search.credit import knob_worth, startup
 from autotune.search.gate import Noise, gated, measure_noise
@@ -687,42 +684,22 @@ class Search:
         return Least(1 + (self.threads is not None or self.device == "cuda"), MIN_PAIRS)
 
     def _fit_lengths(self) -> bool:
-        """After the first baseline of a new study: the run lengths for the rest of it. Longer where the asked
-        runs time too little to measure (``budget.longer``; not where the user set --steps or --warmup), shorter
-        where the least search and a few candidates would not fit the time left (or a refusal, before any more
-        time is spent). True where the runs grew: the first run is then too short to be the gate's reference."""
+        """After the first baseline of a new study: the run lengths for the rest of it (``budget.run_lengths``;
+        never longer where the user set --steps or --warmup). True where the runs grew: the first run is then too
+        short to be the gate's reference."""
         if len(self._baselines()) != 1 or len(self.results) != 1:
             return False
         first = self.results[0]
         cost = run_cost(first.wall_s, first.step_time or 0.0, first.steps_done or sum(self.lengths))
-        budgeted = math.isfinite(self.deadline)
-        grown = longer(cost, *self.lengths) if self.o.lengthen and not self.o.train_steps else None
-        if grown is not None and budgeted:
-            grown = self._fit_longer(cost, grown)
-        if grown is not None:
-            self._asked = asked = self.lengths
-            self._set_lengths((grown.warmup, grown.steps), (
-                f"runs lengthened from {asked[0]} + {asked[1]} to {grown.warmup} + {grown.steps} steps: {grown.note}"))
-            return sum(self.lengths) > sum(asked)
-        if budgeted:
-            fitted = fit(self._time_left(), self.clock() - self.started, self.o.budget, cost, *self.lengths,
-                         self._least())
-            self._set_lengths((fitted.warmup, fitted.steps), fitted.note)
-        return False
-
-    def _fit_longer(self, cost, grown: Fit) -> Fit | None:
-        """``grown`` fitted to the time left, with one more baseline run (at the longer length); None where only
-        runs no longer than the asked ones fit."""
-        least = self._least()
-        try:
-            fitted = fit(self._time_left(), self.clock() - self.started, self.o.budget, cost, grown.warmup,
-                         grown.steps, replace(least, baselines=least.baselines + 1))
-        except BudgetTooSmall:
-            return None
-        if fitted.warmup + fitted.steps <= sum(self.lengths):
-            return None
-        return Fit(fitted.warmup, fitted.steps, grown.note + ("" if fitted.note is None else
-                                                               "; no longer, to fit the time budget"))
+        left = self._time_left() if math.isfinite(self.deadline) else None
+        asked = self.lengths
+        got = run_lengths(cost, *asked, self.o.lengthen and not self.o.train_steps, self._least(), left,
+                          self.clock() - self.started, self.o.budget or 0.0)
+        self._set_lengths((got.warmup, got.steps), got.note)
+        if sum(self.lengths) <= sum(asked):
+            return False
+        self._asked = asked
+        return True
 
     def _set_lengths(self, lengths: tuple[int, int], note: str | None, force: bool = False) -> None:
         """Run the study's next runs at ``lengths`` (the ones another worker of the study fitted win, unless
