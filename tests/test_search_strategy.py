@@ -908,3 +908,34 @@ def test_the_searchs_own_time_around_each_run_is_planned_for(tmp_path, monkeypat
     assert search._reserve(search.space.baseline()) == pytest.approx(RUN_MARGIN * search.o.confirm * 2 * planned)
     search._overheads.clear()  # without it, as before: the run's wall alone
     assert planned - search._estimate() == pytest.approx(2.0, abs=0.01)
+
+
+def test_ties_are_dueled_most_promising_first_and_one_that_could_not_be_picked_is_not_dueled():
+    """makemore at 300 s (58% noise): every change to the start was a tie; the descent dueled its slowest simpler
+    alternative first, and 12 of its 38 runs went to ties whose outcome could not change the pick."""
+    from autotune.search.strategy import Proposal
+
+    incumbent = dict(START, **{"checkpointing.blocks": "none"})
+    singles = {  # one run each, all within the noise (threshold 0.5) of the incumbent's 1.0
+        "autocast.dtype": 0.86, "compile.mode": 1.05, "fused_optimizer.impl": 1.06, "gc.freeze": 1.25,
+    }
+    off = {"autocast.dtype": "default", "compile.mode": "none", "fused_optimizer.impl": "default", "gc.freeze": False}
+    alternatives = [dict(incumbent, **{k: off[k]}) for k in singles]
+
+    def speed(c):
+        changed = [k for k in singles if c[k] != incumbent[k]]
+        return singles[changed[0]] if changed else 1.0
+
+    world = World(speed, gpt_ok, threshold=0.5, true_speed=speed)
+    for c in (incumbent, *alternatives):
+        world.measure(c)
+    strategy = StrongStart(SPACE, START, EXPENSIVE)
+    first = strategy._best(world, incumbent, alternatives)
+    assert isinstance(first, Proposal) and first.phase == "duel"
+    assert first.duel[1]["gc.freeze"] is False  # the fastest single run is settled first
+    while isinstance(got := strategy._best(world, incumbent, alternatives), Proposal):
+        world.run_duel(got)
+    chosen, _ = got
+    assert chosen["gc.freeze"] is False  # the pairs say the incumbent is not faster: the simpler one is kept
+    # and the three slower simpler alternatives were never dueled: none of them could have been picked over it
+    assert len(world.duels) == 1
