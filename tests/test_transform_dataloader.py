@@ -337,3 +337,19 @@ def test_losses_with_the_scripts_switches_off(tmp_path):
     knobs = {"dataloader.num_workers": 2, "dataloader.prefetch_factor": 4}
     on = losses(tmp_path, "on", gated, knobs)
     assert losses(tmp_path, "baked", baked(T, "switched_off", knobs)) == on == base
+
+
+def test_a_worker_count_kept_as_written_bakes_prefetching_only_where_it_has_workers(tmp_path):
+    """num_workers=args.workers beside persistent_workers is the script's choice, not a switch: a baked
+    prefetch_factor must still depend on it (baking it unconditionally fails with --workers 0)."""
+    from autotune.transform import Mode
+
+    script = tmp_path / "persist.py"
+    script.write_text(case_text("user_workers").replace(
+        "num_workers=args.workers,  # 0 while debugging", "num_workers=args.workers,\n        persistent_workers=args.workers > 0,"))
+    assert "persistent_workers=args.workers > 0" in script.read_text()
+    knobs = {"dataloader.num_workers": 2, "dataloader.prefetch_factor": 4}
+    (file,) = run(load_project(script), select([T]), Mode(values=knobs, device="cpu"), hooks=False).files
+    for workers in (0, 2):
+        settings = _baked_settings(file.new_text, workers)
+        assert settings["num_workers"] == workers and _legal(settings), (workers, settings)

@@ -7,7 +7,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, argument, assignments, is_name, kwarg, move_into_helper, scope_of
+from autotune.syntax import add_args, argument, assignments, expr, is_name, kwarg, move_into_helper, scope_of
 from autotune.transforms._model import ClassRef, find_class, model_class, training
 from autotune.transforms._sites import h2d_copy, short
 
@@ -127,8 +127,8 @@ class Dataloader(Transform):
 
                 edits.rewrite(call, gated)
             else:
-                extra = self._baked(facts, written, workers, splats)
                 on = self._switched_on(switches)
+                extra = self._baked(facts, written, workers, splats, "num_workers" in on)
                 if extra or on:
                     def baked(node, extra=extra, on=on):
                         node = node.with_changes(args=[a.with_changes(value=on[a.keyword.value](a.value))
@@ -216,15 +216,16 @@ class Dataloader(Transform):
 
     def _baked(
         self, facts: ModuleFacts, written: dict[str, cst.BaseExpression], workers: list[cst.BaseExpression] | None,
-        splats: list[cst.Arg],
+        splats: list[cst.Arg], workers_on: bool,
     ) -> list[cst.Arg]:
-        """Plain keyword arguments for the values that differ from DataLoader's defaults, and legal together."""
+        """Plain keyword arguments for the values that differ from DataLoader's defaults, and legal together
+        (``workers_on``: the script's own worker count, a switch, is baked on: workers always)."""
         n_workers, pin, persistent, prefetch = (self.mode.value(k) for k in self.knobs)
         out = []
         # `when`: None if the loader never has workers, "" if it always does, else the script's worker count
         if "num_workers" in written:
             value = written["num_workers"]
-            if not _literal(value) and n_workers:  # the script's switch, turned on: workers always
+            if workers_on:
                 when = ""
             elif isinstance(value, cst.Integer):
                 when = "" if int(value.value) > 0 else None
@@ -341,7 +342,7 @@ def _literal(value: cst.BaseExpression) -> bool:
 def _switched(arg: cst.Arg, helper: str) -> cst.Arg:
     """``num_workers=args.workers`` -> ``num_workers=helper("num_workers", args.workers)``."""
     name = arg.keyword.value  # type: ignore[union-attr]
-    return arg.with_changes(value=cst.Call(func=cst.parse_expression(helper), args=[
+    return arg.with_changes(value=cst.Call(func=expr(helper), args=[
         cst.Arg(cst.SimpleString(f'"{name}"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
         cst.Arg(arg.value),
     ]))
