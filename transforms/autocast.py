@@ -52,7 +52,7 @@ class _Plan:
     # bake: the device_type of each wrap's autocast, as code read at run time (None: whichever device torch has)
     devices: dict[cst.BaseStatement, str | None] = field(default_factory=dict)
     autocasts: list[cst.Call] = field(default_factory=list)  # the script's own, to make their dtype a knob
-    switched: list[cst.Call] = field(default_factory=list)  # of those, the ones on the script's own switch (enabled=)
+    switches: dict[cst.Call, cst.BaseExpression] = field(default_factory=dict)  # of those, their own switch (enabled=)
     scalers: list[cst.Call] = field(default_factory=list)  # the script's own GradScalers
     scale: list[cst.Call] = field(default_factory=list)  # backward() calls whose loss goes through a scaler
     steps: list[cst.Call] = field(default_factory=list)
@@ -112,7 +112,7 @@ class Autocast(Transform):
             return
         torch = _torch_name(facts, edits, self.baking())
         for call in plan.autocasts:
-            self._knob_autocast(facts, edits, call, torch, call in plan.switched)
+            self._knob_autocast(facts, edits, call, torch, plan.switches.get(call))
         for call in plan.scalers:
             self._knob_scaler(facts, edits, call)
         for group in plan.wraps:
@@ -145,8 +145,10 @@ class Autocast(Transform):
             if plan.scaler_at_top:
                 edits.after_imports(create.with_changes(leading_lines=[cst.EmptyLine()]))
 
-    def _knob_autocast(self, facts: ModuleFacts, edits: Edits, call: cst.Call, torch: str, switched: bool) -> None:
-        switch = facts.code(_switch(call)) if switched else None
+    def _knob_autocast(
+        self, facts: ModuleFacts, edits: Edits, call: cst.Call, torch: str, switched: cst.BaseExpression | None
+    ) -> None:
+        switch = facts.code(switched) if switched is not None else None
         if self.mode.gated:
             fn = edits.runtime("autocast_dtype")
             extra = f", enabled={switch}" if switch is not None else ""
@@ -230,7 +232,7 @@ class Autocast(Transform):
                         f"the script autocasts ({uses}) behind its own switch, enabled={facts.code(switch)} (present, "
                         "switched off where that is false): its dtype becomes the knob, and bf16 switches the region on"
                     )
-                    plan.switched.append(call)
+                    plan.switches[call] = switch
                 plan.reports.append((call, Status.PRESENT, reason))
                 plan.autocasts.append(call)
         for facts, call in scalers:
