@@ -118,6 +118,10 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
     if loops:
         where = ", ".join(f"{l['path']}:{l['line']}" for l in loops)
         console.print(f"[bold]{args.path}[/]: {len(project.modules)} file(s), training loop(s) at {where}")
+    elif project.tuned_frameworks():
+        f = project.tuned_frameworks()[0]
+        console.print(f"[bold]{args.path}[/]: {len(project.modules)} file(s), training runs inside {f.framework} "
+                      f"({f.where()}): its settings are the knobs")
     else:
         console.print(f"[bold]{args.path}[/]: {project.no_loop_reason()}")
     from rich.table import Table  # only here: start-up is part of every command's time
@@ -144,7 +148,7 @@ def _print_diff(result: PatchResult, console: Console) -> None:
 
 def cmd_patch(args: argparse.Namespace, console: Console) -> int:
     project = load_project(Path(args.path))
-    if not project.loops:
+    if not project.trains:
         raise NoTrainingLoop(f"{args.path}: {project.no_loop_reason()}; nothing patched")
     result = run(project, select(_split_list(args.only), _split_list(args.skip)))
     if not result.changed:
@@ -247,7 +251,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
 
     path = Path(args.path)
     project = load_project(path)
-    if not project.loops:
+    if not project.trains:
         raise NoTrainingLoop(f"{args.path}: {project.no_loop_reason()}; nothing to search")
     options = SearchOptions(
         script=path,

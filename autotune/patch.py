@@ -156,6 +156,7 @@ def _run(project: Project, transforms: list[type[Transform]] | None, mode: Mode,
     if mode.gated and hooks and any(edits for _, edits in per_file):
         for facts, edits in per_file:
             _step_hooks(project, facts, edits)
+            _framework_hooks(project, facts, edits)
     files = []
     for facts, edits in per_file:
         new_text, check = facts.source, facts.source
@@ -255,6 +256,20 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
             edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
         if hidden:
             _accumulate_hooks(facts, scope, edits)
+
+
+def _framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
+    """Just before ``trainer.train()``, ``_autotune.framework_trial(trainer)`` (a no-op outside trials): in a trial it
+    reaches the framework's own hooks for each step's loss and end."""
+    if any(facts.is_runtime_call(c, "framework_trial") for c in facts.calls):
+        return  # already patched
+    for training in project.tuned_frameworks():
+        if training.module is not facts:
+            continue
+        at = facts.statement_of(training.call)
+        trainer = facts.code(training.call.func.value)
+        if not unbound(facts, at, trainer):
+            edits.insert_before(at, stmt(f"{edits.runtime('framework_trial')}({trainer})\n"))
 
 
 def _accumulate_hooks(facts: ModuleFacts, scope: StepScope, edits: Edits) -> None:

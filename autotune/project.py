@@ -102,6 +102,8 @@ FRAMEWORK_TRAINERS = {
     "lightning.pytorch.trainer.trainer.Trainer": "the Lightning Trainer",
     "pytorch_lightning.Trainer": "the Lightning Trainer",
 }
+# frameworks whose training steps a trial times (through the framework's own callbacks) and whose settings are knobs
+TUNED_FRAMEWORKS = ("the Hugging Face Trainer",)
 _TRAINS = {"train", "fit"}  # Trainer.train(), Trainer.fit(model)
 
 
@@ -142,14 +144,25 @@ class Project:
     frameworks: list[FrameworkTraining] = field(default_factory=list)  # training inside a library's loop
     _targets: dict[cst.Call, tuple[ModuleFacts, cst.FunctionDef] | None] = field(default_factory=dict, repr=False)
 
+    def tuned_frameworks(self) -> list[FrameworkTraining]:
+        """The framework training calls whose steps a trial can time: ``trainer.train()`` of the Hugging Face
+        Trainer, on a name the patched script can hand to the trial hook just before it."""
+        return [f for f in self.frameworks
+                if f.framework.startswith(TUNED_FRAMEWORKS) and isinstance(f.call.func, cst.Attribute)
+                and isinstance(f.call.func.value, cst.Name)]
+
+    @property
+    def trains(self) -> bool:
+        """Whether a trial can time this script's training steps: a loop of its own, or a framework's it hooks."""
+        return bool(self.loops or self.tuned_frameworks())
+
     def no_loop_reason(self) -> str:
-        """Why no training loop was found, as the user reads it."""
+        """Why no training autotune can time was found, as the user reads it."""
         if self.frameworks:
             f = self.frameworks[0]
-            return (
-                f"training runs inside {f.framework} ({f.where()}): autotune does not tune a framework's own loop "
-                "yet, and found no training loop of the script's own"
-            )
+            why = ("the Trainer is built inside the call, where autotune cannot hand it to its trial hook"
+                   if f.framework.startswith(TUNED_FRAMEWORKS) else "autotune does not tune this framework's own loop yet")
+            return f"training runs inside {f.framework} ({f.where()}): {why}, and found no training loop of the script's own"
         return NO_LOOP
 
     def by_modname(self, name: str) -> ModuleFacts | None:
@@ -262,6 +275,10 @@ class Project:
     def framework_of(self, facts: ModuleFacts, ctor: cst.BaseExpression) -> str | None:
         """The framework whose Trainer ``ctor`` builds: one of FRAMEWORK_TRAINERS, or a local subclass of one."""
         return next((FRAMEWORK_TRAINERS[q] for q, _ in self._lineage(facts, ctor) if q in FRAMEWORK_TRAINERS), None)
+
+    def derives(self, facts: ModuleFacts, expr: cst.BaseExpression, classes: set[str]) -> bool:
+        """Whether ``expr`` names one of ``classes`` (qualified names) or a local subclass of one."""
+        return any(q in classes for q, _ in self._lineage(facts, expr))
 
     def _lineage(
         self, facts: ModuleFacts, expr: cst.BaseExpression, depth: int = 0

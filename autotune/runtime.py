@@ -433,3 +433,39 @@ def step(*losses: Any, batch: Any = None) -> None:
         if not _save_checked:
             _wrap_torch_save()  # torch was imported without an import after it (the audit hook's other chance)
         _trial.step(losses, batch)
+
+
+def framework_trial(trainer: Any) -> None:
+    """Called by patched scripts just before a framework's Trainer trains (``trainer.train()``); does nothing outside
+    a trial. In a trial, the framework's own hooks hand each micro-step's loss and each optimizer step's end to the
+    trial, as ``accumulate`` and ``step`` do in a loop of the script's own, and the knobs its resolved settings
+    hold are recorded as applied."""
+    if _trial is None:
+        return
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(trainer).__mro__}
+    if "transformers.trainer.Trainer" in names:
+        _hf_trial(trainer)
+
+
+def _hf_trial(trainer: Any) -> None:
+    """The Hugging Face Trainer: its ``training_step`` (one micro-step: forward, backward, the loss returned) is
+    wrapped on this instance, and a callback's ``on_step_end`` (after the optimizer step) ends the step."""
+    from transformers import TrainerCallback
+
+    hf_trainer_resolved(trainer.args)  # noqa: F405 - the transform's helper: which knobs the settings hold
+    own = trainer.training_step
+    batch: list[Any] = []
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        loss = own(*args, **kwargs)
+        accumulate(loss)
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+        batch[:] = [next((v for v in inputs.values() if hasattr(v, "shape")), None)] if isinstance(inputs, dict) else []
+        return loss
+
+    class StepEnd(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step(batch=batch[0] if batch else None)
+
+    trainer.training_step = training_step
+    trainer.add_callback(StepEnd())

@@ -16,7 +16,9 @@ __all__ = [
     'ALGO',
     'CUDAGRAPH_MODES',
     'FLAGS',
+    'FUSED',
     'PREFETCH_MEMBER',
+    'SETTING_KEYWORDS',
     'VARIABLES',
     'allocator_env',
     'allocator_statements',
@@ -41,6 +43,9 @@ __all__ = [
     'fully_shard_kwargs',
     'gc_pause',
     'gc_resume',
+    'hf_trainer_args',
+    'hf_trainer_defaults',
+    'hf_trainer_resolved',
     'nccl_env',
     'no_sync',
     'non_blocking',
@@ -51,6 +56,7 @@ __all__ = [
     'sdpa_enabled',
     'thread_statement',
     'threads',
+    'trainer_settings',
     'unscale_',
 ]
 
@@ -511,6 +517,102 @@ def gc_resume() -> None:
         _gc.enable()
         _gc.unfreeze()
         _gc_paused = False
+
+
+# --- hf_trainer (transforms/hf_trainer.py) --------------------------------------------------------
+
+
+# each knob's setting -> the TrainingArguments fields that decide it (a script that writes one keeps its choice)
+SETTING_KEYWORDS = {
+    "precision": ("bf16", "fp16"),
+    "tf32": ("tf32",),
+    "torch_compile": ("torch_compile", "torch_compile_mode", "torch_compile_backend"),
+    "optim": ("optim",),
+    "dataloader_num_workers": ("dataloader_num_workers",),
+}
+FUSED = "adamw_torch_fused"
+
+
+def trainer_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, Any]:
+    """TrainingArguments fields (name -> value) for knob settings (setting -> choice); a choice at its default sets
+    nothing. ``default_optim``: the installed TrainingArguments' own optim, where known (fused there already: not
+    set again)."""
+    out: dict[str, Any] = {}
+    for setting, value in values.items():
+        if setting == "precision" and value != "default":
+            out[value] = True
+        elif setting in ("tf32", "torch_compile") and value:
+            out[setting] = True
+        elif setting == "optim" and value != "default" and value != default_optim:
+            out["optim"] = value
+        elif setting == "dataloader_num_workers" and value:
+            out[setting] = value
+    return out
+
+
+def _installed_optim() -> str | None:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    field = next((f for f in dataclasses.fields(TrainingArguments) if f.name == "optim"), None)
+    value = field.default if field is not None else None
+    return str(getattr(value, "value", value)) if value is not None else None
+
+
+def _knob_values(script_sets: tuple[str, ...]) -> dict[str, Any]:
+    return {s: knob(f"hf_trainer.{s}", record=False) for s in SETTING_KEYWORDS if s not in script_sets}
+
+
+def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The TrainingArguments keywords the knobs ask for, except for the settings the script gives itself
+    (``script_sets``): nothing at the defaults."""
+    values = _knob_values(script_sets)
+    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
+        return {}
+    return trainer_settings(values, _installed_optim())
+
+
+def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
+    """Defaults for the parser's TrainingArguments fields: the knobs' settings, except those the command line
+    gives (it wins: a precision given there leaves both bf16 and fp16 to it). Nothing at the defaults."""
+    values = _knob_values(())
+    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
+        return {}
+    given = _given_on_command_line(parser)
+    values = {s: v for s, v in values.items() if not given.intersection(SETTING_KEYWORDS[s])}
+    return trainer_settings(values, _installed_optim())
+
+
+def _given_on_command_line(parser: Any) -> set[str]:
+    """The destinations of the parser's options that ``sys.argv`` gives (``--bf16``, ``--bf16=true``)."""
+    import sys
+
+    tokens = sys.argv[1:]
+    given = set()
+    for action in getattr(parser, "_actions", ()):
+        for option in action.option_strings:
+            if any(t == option or t.startswith(option + "=") for t in tokens):
+                given.add(action.dest)
+    return given
+
+
+def hf_trainer_resolved(args: Any) -> None:
+    """Record the knobs whose setting the Trainer's resolved TrainingArguments ``args`` hold: read back from the
+    framework's own object, so that a value the command line or the script gave instead does not count."""
+    precision = knob("hf_trainer.precision", record=False)
+    if precision != "default" and getattr(args, precision, False) is True:
+        took_effect("hf_trainer.precision")
+    for setting in ("tf32", "torch_compile"):
+        if knob(f"hf_trainer.{setting}", record=False) and getattr(args, setting, None) is True:
+            took_effect(f"hf_trainer.{setting}")
+    optim = knob("hf_trainer.optim", record=False)
+    resolved = getattr(args, "optim", None)
+    if optim != "default" and str(getattr(resolved, "value", resolved)) == optim and _installed_optim() != optim:
+        took_effect("hf_trainer.optim")
+    workers = knob("hf_trainer.dataloader_num_workers", record=False)
+    if workers and getattr(args, "dataloader_num_workers", None) == workers:
+        took_effect("hf_trainer.dataloader_num_workers")
 
 
 # --- nccl_env (transforms/nccl_env.py) ------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Training inside a framework's Trainer (issue 21.1): scan names the framework and the call that trains; patch and
-search refuse with that, in one line, since autotune does not tune a framework's own loop yet. The fixtures are
-parsed, never run (transformers and lightning are not needed)."""
+search go on where autotune tunes that framework (the Hugging Face Trainer: tests/test_transform_hf_trainer.py), and
+refuse with its name, in one line, where it does not yet. The fixtures are parsed, never run."""
 
 from __future__ import annotations
 
@@ -46,11 +46,12 @@ def test_a_train_call_on_an_object_of_no_known_trainer_is_not_framework_training
     assert load_project(script).frameworks == []
 
 
-def test_scan_names_the_framework_and_patch_refuses_with_it(tmp_path, monkeypatch, capsys):
+def test_scan_names_the_framework_whose_settings_are_the_knobs(capsys):
     script = FRAMEWORKS / "hf_trainer.py"
     assert main(["scan", str(script)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "training runs inside the Hugging Face Trainer" in out and "hf_trainer.py:39: trainer.train()" in out
+    assert "its settings are the knobs" in out
 
     assert main(["scan", str(script), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -58,9 +59,28 @@ def test_scan_names_the_framework_and_patch_refuses_with_it(tmp_path, monkeypatc
     assert doc["framework_training"] == [
         {"framework": "the Hugging Face Trainer", "path": str(script), "line": 39, "call": "trainer.train"}
     ]
+    assert any(s["transform"] == "hf_trainer" and s["status"] == "applicable" for s in doc["sites"])
+
+
+def test_patch_refuses_a_framework_it_does_not_tune_yet_with_its_name(tmp_path, monkeypatch, capsys):
+    script = FRAMEWORKS / "lightning_fit.py"
+    assert main(["scan", str(script)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "training runs inside the Lightning Trainer" in out and "does not tune this framework's own loop yet" in out
 
     monkeypatch.chdir(tmp_path)
     assert main(["patch", str(script), "--out", "out"]) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
-    assert "the Hugging Face Trainer" in err and "nothing patched" in err
+    assert "the Lightning Trainer" in err and "nothing patched" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_trainer_built_inside_the_training_call_cannot_be_timed(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from transformers import Trainer, TrainingArguments\n"
+        "Trainer(model=None, args=TrainingArguments(output_dir='out')).train()\n"
+    )
+    assert main(["patch", str(script), "--out", str(tmp_path / "out")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "the Trainer is built inside the call" in err

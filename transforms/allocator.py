@@ -39,7 +39,7 @@ class Allocator(Transform):
         if patched is not None:
             self.report(facts, patched, Status.PRESENT, "the allocator setting is already a knob")
             return
-        if not self.project.loops:
+        if not self.project.trains:
             self.report(facts, facts.module, Status.NOT_APPLICABLE, "no training loop: no CUDA memory to tune")
             return
         present = False

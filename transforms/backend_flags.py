@@ -72,12 +72,16 @@ class BackendFlags(Transform):
         if patched is not None:
             self.report(facts, patched, Status.PRESENT, "backend flags are already knobs")
             return
-        if not self.project.loops:
+        if not self.project.trains:
             reason = "no training loop: the flags would speed up nothing"
             self.report(facts, facts.module, Status.NOT_APPLICABLE, reason)
             return
         for module in self.project.modules:
             self._script_flags(module)
+        if not self.project.loops and "tf32" not in self._script_sets:
+            # the Trainer's own tf32 setting is that knob there (hf_trainer.tf32): one knob, one place
+            self._script_sets.add("tf32")
+            self.report(facts, facts.module, Status.NOT_APPLICABLE, "TF32: the Trainer's own tf32 setting is the knob here (hf_trainer.tf32)")
         missing = [f for f in FLAGS if f not in self._script_sets]
         if not missing:
             return

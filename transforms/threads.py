@@ -36,7 +36,7 @@ class Threads(Transform):
         if patched is not None:
             self.report(facts, patched, Status.PRESENT, "the thread count is already a knob")
             return
-        if not self.project.loops:
+        if not self.project.trains:
             self.report(facts, facts.module, Status.NOT_APPLICABLE, "no training loop: threads would speed up nothing")
             return
         own = [(m, c) for m in self.project.modules for c in m.calls if m.qualname(c.func) in SETTERS]

@@ -85,15 +85,15 @@ def prepare(options: SearchOptions, about: Mapping[str, Any] | None = None) -> P
     check_options(options)
     launcher = parse_launcher(options.launcher) if options.launcher is not None else ()
     project = load_project(options.script)
-    if not project.loops:
+    if not project.trains:
         raise NoTrainingLoop(
             f"{options.script}: {project.no_loop_reason()}; autotune search needs one to time training steps and "
             "compare losses"
         )
     device = str(about["device"]) if about else resolve_device(options.device)
     patch = run(project, select())
-    hook = f"{RUNTIME_ALIAS}.step("
-    if not any(hook in f.new_text for f in patch.files):
+    hooks = (f"{RUNTIME_ALIAS}.step(", f"{RUNTIME_ALIAS}.framework_trial(")
+    if not any(hook in f.new_text for f in patch.files for hook in hooks):
         raise NoTrainingLoop(f"{options.script}: autotune could not place its step hook in the training loop")
     if about:
         space = restore_space(patch.knobs, device, about["space"], about.get("left_out") or {})
@@ -127,6 +127,8 @@ def start_of(device: str, wanted: SpaceFile, own: bool) -> tuple[dict[str, Any],
         bundled = read_space(device)
         start.update({k: v for k, v in bundled.start.items() if k not in start})
         expensive.update({k: v for k, v in bundled.expensive.items() if k not in expensive})
-    if device == "cpu" and start.get("autocast.dtype") == "bf16" and not cpu_has_bf16():
-        del start["autocast.dtype"]
+    if device == "cpu" and not cpu_has_bf16():
+        for name in ("autocast.dtype", "hf_trainer.precision"):
+            if start.get(name) == "bf16":
+                del start[name]
     return start, expensive

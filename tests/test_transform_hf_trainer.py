@@ -1,0 +1,200 @@
+"""hf_trainer: the Hugging Face Trainer's own settings as knobs, set where the script builds TrainingArguments or as
+its HfArgumentParser's defaults; trials time the Trainer's steps through its own callbacks.
+
+The fixtures in fixtures/transforms/hf_trainer train a small GPT-2 built from a config on random tokens (no
+download). Running them needs transformers (a test dependency); the tests that only parse do not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from loss_probe import run_probe
+from transform_cases import case, losses, sites
+
+from autotune.cli import main
+from autotune.patch import run, select, write_outputs
+from autotune.project import load_project
+from autotune.transform import Status
+
+PLAIN_ARGS = ["--steps", "40"]
+PARSED_ARGS = ["--output_dir", "out", "--max_steps", "40", "--report_to", "none", "--do_train", "--save_strategy", "no",
+               "--use_cpu"]
+ARGS = {"plain": PLAIN_ARGS, "parsed": PARSED_ARGS}
+
+
+def _patched_script(tmp_path: Path, name: str) -> Path:
+    """The whole patch of a case (every transform, trial hooks included), written to ``tmp_path/patched``."""
+    result = run(load_project(case("hf_trainer", name)))
+    write_outputs(result, tmp_path / "patched", f"{name}.py")
+    return tmp_path / "patched" / result.files[0].rel
+
+
+def _trial(script: Path, args, tmp_path: Path, knobs=None, warmup: int = 2, steps: int = 3) -> dict:
+    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
+    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec), "OMP_NUM_THREADS": "1"}
+    env.pop("AUTOTUNE_CONFIG", None)
+    if knobs is not None:
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump({"device": "cpu", "knobs": knobs}))
+        env["AUTOTUNE_CONFIG"] = str(config)
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert result.exists(), proc.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
+# --- what scan and patch find (parsed only) --------------------------------------------------------------------
+
+
+def test_settings_the_script_leaves_out_become_knobs_where_it_builds_training_arguments():
+    (site,) = sites("hf_trainer", "plain")
+    assert site.status is Status.APPLICABLE
+    assert "precision, tf32, torch_compile, optim, dataloader_num_workers become knobs" in site.reason
+
+
+def test_a_parsed_trainers_knobs_are_the_parsers_defaults_and_the_command_line_wins():
+    (site,) = sites("hf_trainer", "parsed")
+    assert site.status is Status.APPLICABLE and "a value given on the command line wins" in site.reason
+
+
+def _scan(tmp_path: Path, body: str) -> list:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from transformers import HfArgumentParser, Trainer, TrainingArguments\n" + body
+    )
+    return list(run(load_project(script), select(["hf_trainer"]), hooks=False).sites)
+
+
+def test_settings_the_script_writes_are_its_choice(tmp_path):
+    found = _scan(tmp_path, (
+        "args = TrainingArguments(output_dir='out', bf16=True, optim='adamw_torch', torch_compile_mode='max-autotune')\n"
+        "trainer = Trainer(model=None, args=args)\n"
+        "trainer.train()\n"
+    ))
+    assert [(s.status, s.reason) for s in found] == [
+        (Status.PRESENT, "the script sets bf16=True"),
+        (Status.PRESENT, "the script sets torch_compile_mode='max-autotune'"),
+        (Status.USER, "the script sets optim='adamw_torch': its choice is kept"),
+        (Status.APPLICABLE, "TrainingArguments: tf32, dataloader_num_workers become knobs"),
+    ]
+    text = run(load_project(tmp_path / "train.py"), select(["hf_trainer"]), hooks=False).files[0].new_text
+    assert "**_autotune.hf_trainer_args(script_sets=('precision', 'torch_compile', 'optim'))" in text
+
+
+def test_arguments_from_a_dict_and_arguments_without_a_trainer_are_left_alone(tmp_path):
+    found = _scan(tmp_path, (
+        "config = {'output_dir': 'out'}\n"
+        "args = TrainingArguments(**config)\n"
+        "trainer = Trainer(model=None, args=args)\n"
+        "trainer.train()\n"
+    ))
+    assert [(s.status, s.reason) for s in found] == [
+        (Status.NOT_APPLICABLE, "**config may give the settings: which, is not known")
+    ]
+    found = _scan(tmp_path, "args = TrainingArguments(output_dir='out')\nprint(args)\n")
+    assert [(s.status, s.reason) for s in found] == [
+        (Status.NOT_APPLICABLE, "no Hugging Face Trainer trains in this script")
+    ]
+
+
+def test_a_local_subclass_of_training_arguments_and_a_parser_of_the_scripts_own_dataclasses(tmp_path):
+    found = _scan(tmp_path, (
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class MyArguments(TrainingArguments):\n"
+        "    lora_rank: int = 8\n"
+        "@dataclass\n"
+        "class DataArguments:\n"
+        "    path: str = 'data'\n"
+        "data_parser = HfArgumentParser(DataArguments)\n"  # no TrainingArguments: not the Trainer's settings
+        "(data,) = data_parser.parse_args_into_dataclasses()\n"
+        "args = MyArguments(output_dir='out')\n"
+        "trainer = Trainer(model=None, args=args)\n"
+        "trainer.train()\n"
+    ))
+    assert [s.status for s in found] == [Status.APPLICABLE]
+    assert found[0].line == 11
+
+
+def test_patch_is_idempotent_on_the_whole_script(tmp_path):
+    first = _patched_script(tmp_path, "parsed")
+    again = run(load_project(first))
+    assert not again.changed
+
+
+# --- running them (transformers needed) ------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", ["plain", "parsed"])
+def test_the_patched_script_at_its_defaults_trains_exactly_like_the_original(name, tmp_path):
+    original = losses(tmp_path, "original", case("hf_trainer", name).read_text(), args=ARGS[name])
+    patched = losses(tmp_path, "patched", _patched_script(tmp_path, name).read_text(), args=ARGS[name])
+    assert patched == original
+
+
+def test_a_trial_times_the_trainers_steps_and_keeps_each_steps_loss(tmp_path):
+    original = run_probe(case("hf_trainer", "plain"), PLAIN_ARGS, steps=5, out=tmp_path / "orig.json", cwd=tmp_path)
+    result = _trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, warmup=2, steps=3)
+    assert result["status"] == "ok" and result["steps_done"] == 5, result["error"]  # ended after 5 of 40 steps
+    assert len(result["step_times"]) == 3
+    assert result["losses"] == [[float.fromhex(h)] for h in original]  # the loss backward() saw, step by step
+    assert result["batch_size"] == 8
+
+
+def test_a_step_of_gradient_accumulation_records_the_sum_of_its_micro_steps(tmp_path):
+    args = [*PARSED_ARGS, "--gradient_accumulation_steps", "2"]
+    original = run_probe(case("hf_trainer", "parsed"), args, steps=6, out=tmp_path / "orig.json", cwd=tmp_path)
+    result = _trial(_patched_script(tmp_path, "parsed"), args, tmp_path, warmup=1, steps=2)
+    assert result["status"] == "ok" and result["steps_done"] == 3, result["error"]
+    import torch
+
+    micro = [torch.tensor(float.fromhex(h)) for h in original]  # float32, as the trial sums them
+    assert result["losses"] == [[(a + b).item()] for a, b in zip(micro[::2], micro[1::2])]
+
+
+def _installed_optim() -> str:
+    from autotune.runtime_helpers import _installed_optim
+
+    return _installed_optim()
+
+
+def test_each_knob_reaches_the_setting_the_trainer_resolves(tmp_path):
+    knobs = {"hf_trainer.precision": "bf16", "hf_trainer.dataloader_num_workers": 2,
+             "hf_trainer.optim": "adamw_torch_fused"}
+    result = _trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
+    assert result["status"] == "ok", result["error"]
+    # read back from the Trainer's own TrainingArguments; optim counts only where it is not already the default
+    fused_default = _installed_optim() == "adamw_torch_fused"
+    expected = ["hf_trainer.precision", "hf_trainer.dataloader_num_workers"] + ([] if fused_default else ["hf_trainer.optim"])
+    assert sorted(result["applied"]) == sorted(expected)
+
+
+def test_a_value_given_on_the_command_line_wins_over_the_knob(tmp_path):
+    knobs = {"hf_trainer.precision": "bf16", "hf_trainer.dataloader_num_workers": 2}
+    script = _patched_script(tmp_path, "parsed")
+    result = _trial(script, PARSED_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
+    assert sorted(result["applied"]) == ["hf_trainer.dataloader_num_workers", "hf_trainer.precision"]
+    # the user's own --fp16 decides the precision (bf16 is not added beside it), their worker count stands
+    given = [*PARSED_ARGS, "--dataloader_num_workers", "1", "--bf16", "false"]
+    result = _trial(script, given, tmp_path, knobs=knobs, warmup=1, steps=1)
+    assert result["status"] == "ok", result["error"]
+    assert result["applied"] == []
+
+
+def test_search_on_a_trainer_script_ends_with_a_verdict(tmp_path, capsys):
+    out = tmp_path / "search"
+    code = main(["search", str(case("hf_trainer", "plain")), "--out", str(out), "--trials", "2", "--steps", "4",
+                 "--warmup", "2", "--confirm", "5", "--", "--steps", "40"])
+    assert code == 0, capsys.readouterr().err
+    doc = yaml.safe_load((out / "autotune.yaml").read_text())
+    assert doc["throughput"]["baseline"]["steps_per_s"] > 0 and doc["verdict"]
+    assert any(name.startswith("hf_trainer.") for name in doc["knobs"])

@@ -1,0 +1,264 @@
+"""hf_trainer: the Hugging Face Trainer's own settings (TrainingArguments), where the script builds or parses them."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from autotune.analysis import ModuleFacts
+from autotune.knobs import Knob, Numerics
+from autotune.transform import Edits, Status, Transform
+from autotune.syntax import add_args, is_literal, kwarg, star_kwargs, stmt
+
+# TrainingArguments and the subclasses libraries ship (a local subclass of any of them counts too)
+ARGUMENT_CLASSES = {
+    "transformers.TrainingArguments",
+    "transformers.training_args.TrainingArguments",
+    "transformers.Seq2SeqTrainingArguments",
+    "transformers.training_args_seq2seq.Seq2SeqTrainingArguments",
+    "trl.SFTConfig",
+    "trl.DPOConfig",
+}
+PARSERS = {"transformers.HfArgumentParser", "transformers.hf_argparser.HfArgumentParser"}
+
+
+class HfTrainer(Transform):
+    """Mixed precision, TF32, torch.compile, the fused optimizer and loader workers as the Hugging Face Trainer's own settings."""
+
+    name = "hf_trainer"
+    tracks_settings = True
+    knobs = (
+        Knob(
+            "hf_trainer.precision",
+            ("default", "bf16", "fp16"),
+            "default",
+            Numerics.LOWP,
+            help="TrainingArguments bf16=True or fp16=True: the Trainer's mixed precision (fp16 needs CUDA)",
+        ),
+        Knob(
+            "hf_trainer.tf32",
+            (False, True),
+            False,
+            Numerics.LOWP,
+            frozenset({"cuda"}),
+            help="TrainingArguments tf32=True: TF32 tensor cores for float32 matmuls",
+        ),
+        Knob(
+            "hf_trainer.torch_compile",
+            (False, True),
+            False,
+            Numerics.REORDER,
+            help="TrainingArguments torch_compile=True: the Trainer compiles the model (checkpoint keys unchanged)",
+            compiles=True,
+        ),
+        Knob(
+            "hf_trainer.optim",
+            ("default", "adamw_torch_fused"),
+            "default",
+            Numerics.REORDER,
+            help="TrainingArguments optim: PyTorch's fused AdamW where the installed transformers does not already "
+            "default to it",
+        ),
+        Knob(
+            "hf_trainer.dataloader_num_workers",
+            (0, 1, 2, 4),
+            0,
+            Numerics.EXACT,
+            help="TrainingArguments dataloader_num_workers: worker processes that load batches",
+        ),
+    )
+
+    def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        hf = any(f.framework.startswith("the Hugging Face Trainer") for f in self.project.frameworks)
+        for call in facts.calls:
+            qual = facts.qualname(call.func)
+            if qual in PARSERS:
+                self._parser(facts, call, edits, hf)
+            elif self.project.derives(facts, call.func, ARGUMENT_CLASSES):
+                self._arguments(facts, call, edits, hf)
+
+    def _arguments(self, facts: ModuleFacts, call: cst.Call, edits: Edits, hf: bool) -> None:
+        """``TrainingArguments(output_dir=..., ...)``: the settings the script leaves out become knobs there."""
+        if any(facts.is_runtime_call(a.value, "hf_trainer_args") for a in call.args if a.star == "**"):
+            self.report(facts, call, Status.PRESENT, "the Trainer's settings are already knobs")
+            return
+        if not hf:
+            self.report(facts, call, Status.NOT_APPLICABLE, "no Hugging Face Trainer trains in this script")
+            return
+        splat = next((a for a in call.args if a.star), None)
+        if splat is not None:
+            self.report(facts, call, Status.NOT_APPLICABLE,
+                        f"{splat.star}{facts.code(splat.value)} may give the settings: which, is not known")
+            return
+        written = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+        kept = []
+        for setting, keywords in SETTING_KEYWORDS.items():
+            given = [k for k in keywords if k in written]
+            if given:
+                kept.append(setting)
+                code = ", ".join(f"{k}={facts.code(written[k])}" for k in given)
+                # a compile mode or backend turns compilation on (TrainingArguments.__post_init__)
+                on = any(is_literal(written[k], True) or (k != "optim" and isinstance(written[k], cst.SimpleString))
+                         for k in given) or (setting == "optim" and _string(written["optim"]) == FUSED)
+                status = Status.PRESENT if on else Status.USER
+                self.report(facts, call, status, f"the script sets {code}" + ("" if on else ": its choice is kept"))
+        free = [s for s in SETTING_KEYWORDS if s not in kept and self._searched(s)]
+        if not free:
+            return
+        self.report(facts, call, Status.APPLICABLE, f"TrainingArguments: {', '.join(free)} become knobs")
+        if self.mode.gated:
+            self.settings_read.update(free)
+            helper = edits.runtime("hf_trainer_args")
+            args = f"script_sets=({', '.join(map(repr, kept))}{',' if len(kept) == 1 else ''})" if kept else ""
+            edits.rewrite(call, lambda node: add_args(node, star_kwargs(f"{helper}({args})")))
+        else:
+            values = self._baked(free)
+            if values:
+                edits.rewrite(call, lambda node: add_args(node, *(kwarg(k, v) for k, v in values.items())))
+
+    def _parser(self, facts: ModuleFacts, call: cst.Call, edits: Edits, hf: bool) -> None:
+        """``parser = HfArgumentParser((ModelArguments, TrainingArguments))``: the knobs become the parser's
+        defaults, so that a value given on the command line wins."""
+        classes = call.args[0].value if call.args and call.args[0].keyword is None else None
+        elements = [e.value for e in classes.elements] if isinstance(classes, (cst.Tuple, cst.List)) else [classes]
+        if classes is None or not any(self.project.derives(facts, e, ARGUMENT_CLASSES) for e in elements):
+            return  # a parser of the script's own dataclasses only
+        at = facts.statement_of(call)
+        node = at.body[0] if isinstance(at, cst.SimpleStatementLine) and len(at.body) == 1 else None
+        if not (isinstance(node, cst.Assign) and node.value is call and len(node.targets) == 1
+                and isinstance(node.targets[0].target, cst.Name)):
+            self.report(facts, call, Status.NOT_APPLICABLE, "the parser is not assigned to a name of its own")
+            return
+        parser = node.targets[0].target.value
+        if any(facts.is_runtime_call(c, "hf_trainer_defaults") for c in facts.calls):
+            self.report(facts, call, Status.PRESENT, "the Trainer's settings are already knobs")
+            return
+        if not hf:
+            self.report(facts, call, Status.NOT_APPLICABLE, "no Hugging Face Trainer trains in this script")
+            return
+        free = [s for s in SETTING_KEYWORDS if self._searched(s)]
+        self.report(
+            facts, call, Status.APPLICABLE,
+            f"the parser's defaults for {', '.join(free)} become knobs: a value given on the command line wins "
+            "(arguments read from a JSON or YAML file do not use the parser's defaults)",
+        )
+        if self.mode.gated:
+            self.settings_read.update(free)
+            edits.insert_after(at, stmt(f"{parser}.set_defaults(**{edits.runtime('hf_trainer_defaults')}({parser}))\n"))
+        else:
+            values = self._baked(free)
+            if values:
+                keywords = ", ".join(f"{k}={v}" for k, v in values.items())
+                edits.insert_after(at, stmt(f"{parser}.set_defaults({keywords})\n"))
+
+    def _searched(self, setting: str) -> bool:
+        return self.mode.gated or self.mode.value(self.knob(setting)) != self.knob(setting).default
+
+    def _baked(self, settings: list[str]) -> dict[str, str]:
+        """The keyword arguments (name -> code) a person would write for the chosen values of ``settings``."""
+        return {k: f'"{v}"' if isinstance(v, str) else repr(v) for k, v in trainer_settings(
+            {s: self.mode.value(self.knob(s)) for s in settings}, default_optim=None).items()}
+
+
+def _string(node: cst.BaseExpression) -> str | None:
+    value = node.evaluated_value if isinstance(node, cst.SimpleString) else None
+    return value if isinstance(value, str) else None
+
+
+# === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
+
+from typing import Any
+
+from autotune.knob_values import default, knob, took_effect
+
+# each knob's setting -> the TrainingArguments fields that decide it (a script that writes one keeps its choice)
+SETTING_KEYWORDS = {
+    "precision": ("bf16", "fp16"),
+    "tf32": ("tf32",),
+    "torch_compile": ("torch_compile", "torch_compile_mode", "torch_compile_backend"),
+    "optim": ("optim",),
+    "dataloader_num_workers": ("dataloader_num_workers",),
+}
+FUSED = "adamw_torch_fused"
+
+
+def trainer_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, Any]:
+    """TrainingArguments fields (name -> value) for knob settings (setting -> choice); a choice at its default sets
+    nothing. ``default_optim``: the installed TrainingArguments' own optim, where known (fused there already: not
+    set again)."""
+    out: dict[str, Any] = {}
+    for setting, value in values.items():
+        if setting == "precision" and value != "default":
+            out[value] = True
+        elif setting in ("tf32", "torch_compile") and value:
+            out[setting] = True
+        elif setting == "optim" and value != "default" and value != default_optim:
+            out["optim"] = value
+        elif setting == "dataloader_num_workers" and value:
+            out[setting] = value
+    return out
+
+
+def _installed_optim() -> str | None:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    field = next((f for f in dataclasses.fields(TrainingArguments) if f.name == "optim"), None)
+    value = field.default if field is not None else None
+    return str(getattr(value, "value", value)) if value is not None else None
+
+
+def _knob_values(script_sets: tuple[str, ...]) -> dict[str, Any]:
+    return {s: knob(f"hf_trainer.{s}", record=False) for s in SETTING_KEYWORDS if s not in script_sets}
+
+
+def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The TrainingArguments keywords the knobs ask for, except for the settings the script gives itself
+    (``script_sets``): nothing at the defaults."""
+    values = _knob_values(script_sets)
+    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
+        return {}
+    return trainer_settings(values, _installed_optim())
+
+
+def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
+    """Defaults for the parser's TrainingArguments fields: the knobs' settings, except those the command line
+    gives (it wins: a precision given there leaves both bf16 and fp16 to it). Nothing at the defaults."""
+    values = _knob_values(())
+    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
+        return {}
+    given = _given_on_command_line(parser)
+    values = {s: v for s, v in values.items() if not given.intersection(SETTING_KEYWORDS[s])}
+    return trainer_settings(values, _installed_optim())
+
+
+def _given_on_command_line(parser: Any) -> set[str]:
+    """The destinations of the parser's options that ``sys.argv`` gives (``--bf16``, ``--bf16=true``)."""
+    import sys
+
+    tokens = sys.argv[1:]
+    given = set()
+    for action in getattr(parser, "_actions", ()):
+        for option in action.option_strings:
+            if any(t == option or t.startswith(option + "=") for t in tokens):
+                given.add(action.dest)
+    return given
+
+
+def hf_trainer_resolved(args: Any) -> None:
+    """Record the knobs whose setting the Trainer's resolved TrainingArguments ``args`` hold: read back from the
+    framework's own object, so that a value the command line or the script gave instead does not count."""
+    precision = knob("hf_trainer.precision", record=False)
+    if precision != "default" and getattr(args, precision, False) is True:
+        took_effect("hf_trainer.precision")
+    for setting in ("tf32", "torch_compile"):
+        if knob(f"hf_trainer.{setting}", record=False) and getattr(args, setting, None) is True:
+            took_effect(f"hf_trainer.{setting}")
+    optim = knob("hf_trainer.optim", record=False)
+    resolved = getattr(args, "optim", None)
+    if optim != "default" and str(getattr(resolved, "value", resolved)) == optim and _installed_optim() != optim:
+        took_effect("hf_trainer.optim")
+    workers = knob("hf_trainer.dataloader_num_workers", record=False)
+    if workers and getattr(args, "dataloader_num_workers", None) == workers:
+        took_effect("hf_trainer.dataloader_num_workers")
+
