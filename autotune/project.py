@@ -103,7 +103,7 @@ FRAMEWORK_TRAINERS = {
     "pytorch_lightning.Trainer": "the Lightning Trainer",
 }
 # frameworks whose training steps a trial times (through the framework's own callbacks) and whose settings are knobs
-TUNED_FRAMEWORKS = ("the Hugging Face Trainer",)
+TUNED_FRAMEWORKS = ("the Hugging Face Trainer", "the Lightning Trainer")
 _TRAINS = {"train", "fit"}  # Trainer.train(), Trainer.fit(model)
 
 
@@ -146,7 +146,8 @@ class Project:
 
     def tuned_frameworks(self) -> list[FrameworkTraining]:
         """The framework training calls whose steps a trial can time: ``trainer.train()`` of the Hugging Face
-        Trainer, on a name the patched script can hand to the trial hook just before it."""
+        Trainer, ``trainer.fit(...)`` of the Lightning Trainer, on a name the patched script can hand to the trial
+        hook just before it."""
         return [f for f in self.frameworks
                 if f.framework.startswith(TUNED_FRAMEWORKS) and isinstance(f.call.func, cst.Attribute)
                 and isinstance(f.call.func.value, cst.Name)]

@@ -445,6 +445,8 @@ def framework_trial(trainer: Any) -> None:
     names = {f"{c.__module__}.{c.__qualname__}" for c in type(trainer).__mro__}
     if "transformers.trainer.Trainer" in names:
         _hf_trial(trainer)
+    elif names & {"lightning.pytorch.trainer.trainer.Trainer", "pytorch_lightning.trainer.trainer.Trainer"}:
+        _lightning_trial(trainer)
 
 
 def _hf_trial(trainer: Any) -> None:
@@ -459,8 +461,7 @@ def _hf_trial(trainer: Any) -> None:
     def training_step(*args: Any, **kwargs: Any) -> Any:
         loss = own(*args, **kwargs)
         accumulate(loss)
-        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-        batch[:] = [next((v for v in inputs.values() if hasattr(v, "shape")), None)] if isinstance(inputs, dict) else []
+        batch[:] = [_first_tensor(args[1] if len(args) > 1 else kwargs.get("inputs"))]
         return loss
 
     class StepEnd(TrainerCallback):
@@ -469,3 +470,39 @@ def _hf_trial(trainer: Any) -> None:
 
     trainer.training_step = training_step
     trainer.add_callback(StepEnd())
+
+
+def _lightning_trial(trainer: Any) -> None:
+    """The Lightning Trainer: a callback's ``on_train_batch_end`` sees each batch's loss (``training_step``'s,
+    divided by the accumulation count as Lightning divides it); a batch after which ``trainer.global_step`` moved on
+    ended an optimizer step."""
+    if type(trainer).__module__.startswith("pytorch_lightning"):
+        from pytorch_lightning.callbacks import Callback
+    else:
+        from lightning.pytorch.callbacks import Callback
+
+    class StepEnd(Callback):
+        def __init__(self) -> None:
+            self.steps: int | None = None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            lightning_trainer_resolved(trainer)  # noqa: F405 - the transform's helper
+            self.steps = trainer.global_step
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if hasattr(loss, "detach"):
+                accumulate(loss)
+            if trainer.global_step != self.steps:
+                self.steps = trainer.global_step
+                step(batch=_first_tensor(batch))
+
+    trainer.callbacks.append(StepEnd())
+
+
+def _first_tensor(batch: Any) -> Any:
+    """The first tensor of a batch (a tensor, or a tuple, list or dict of them): its first dimension is the batch."""
+    if hasattr(batch, "shape"):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    return next((v for v in items if hasattr(v, "shape")), None)

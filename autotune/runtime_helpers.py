@@ -17,8 +17,9 @@ __all__ = [
     'CUDAGRAPH_MODES',
     'FLAGS',
     'FUSED',
+    'HF_SETTINGS',
+    'LIGHTNING_SETTINGS',
     'PREFETCH_MEMBER',
-    'SETTING_KEYWORDS',
     'VARIABLES',
     'allocator_env',
     'allocator_statements',
@@ -43,9 +44,13 @@ __all__ = [
     'fully_shard_kwargs',
     'gc_pause',
     'gc_resume',
+    'hf_settings',
     'hf_trainer_args',
     'hf_trainer_defaults',
     'hf_trainer_resolved',
+    'lightning_settings',
+    'lightning_trainer_args',
+    'lightning_trainer_resolved',
     'nccl_env',
     'no_sync',
     'non_blocking',
@@ -56,7 +61,6 @@ __all__ = [
     'sdpa_enabled',
     'thread_statement',
     'threads',
-    'trainer_settings',
     'unscale_',
 ]
 
@@ -523,7 +527,7 @@ def gc_resume() -> None:
 
 
 # each knob's setting -> the TrainingArguments fields that decide it (a script that writes one keeps its choice)
-SETTING_KEYWORDS = {
+HF_SETTINGS = {
     "precision": ("bf16", "fp16"),
     "tf32": ("tf32",),
     "torch_compile": ("torch_compile", "torch_compile_mode", "torch_compile_backend"),
@@ -533,7 +537,7 @@ SETTING_KEYWORDS = {
 FUSED = "adamw_torch_fused"
 
 
-def trainer_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, Any]:
+def hf_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, Any]:
     """TrainingArguments fields (name -> value) for knob settings (setting -> choice); a choice at its default sets
     nothing. ``default_optim``: the installed TrainingArguments' own optim, where known (fused there already: not
     set again)."""
@@ -561,7 +565,7 @@ def _installed_optim() -> str | None:
 
 
 def _knob_values(script_sets: tuple[str, ...]) -> dict[str, Any]:
-    return {s: knob(f"hf_trainer.{s}", record=False) for s in SETTING_KEYWORDS if s not in script_sets}
+    return {s: knob(f"hf_trainer.{s}", record=False) for s in HF_SETTINGS if s not in script_sets}
 
 
 def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -570,7 +574,7 @@ def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
     values = _knob_values(script_sets)
     if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
         return {}
-    return trainer_settings(values, _installed_optim())
+    return hf_settings(values, _installed_optim())
 
 
 def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
@@ -580,8 +584,8 @@ def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
     if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
         return {}
     given = _given_on_command_line(parser)
-    values = {s: v for s, v in values.items() if not given.intersection(SETTING_KEYWORDS[s])}
-    return trainer_settings(values, _installed_optim())
+    values = {s: v for s, v in values.items() if not given.intersection(HF_SETTINGS[s])}
+    return hf_settings(values, _installed_optim())
 
 
 def _given_on_command_line(parser: Any) -> set[str]:
@@ -613,6 +617,43 @@ def hf_trainer_resolved(args: Any) -> None:
     workers = knob("hf_trainer.dataloader_num_workers", record=False)
     if workers and getattr(args, "dataloader_num_workers", None) == workers:
         took_effect("hf_trainer.dataloader_num_workers")
+
+
+# --- lightning_trainer (transforms/lightning_trainer.py) ------------------------------------------
+
+
+# each knob's setting -> the Trainer keywords that decide it (a script that writes one keeps its choice)
+LIGHTNING_SETTINGS = {"precision": ("precision",), "benchmark": ("benchmark",)}
+
+
+def lightning_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """Trainer keyword arguments for knob settings (setting -> choice); a choice at its default sets nothing."""
+    out: dict[str, Any] = {}
+    if values.get("precision", "default") != "default":
+        out["precision"] = values["precision"]
+    if values.get("benchmark"):
+        out["benchmark"] = True
+    return out
+
+
+def lightning_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The Trainer keywords the knobs ask for, except for the settings the script gives itself: nothing at the
+    defaults."""
+    values = {s: knob(f"lightning_trainer.{s}", record=False) for s in LIGHTNING_SETTINGS if s not in script_sets}
+    return lightning_settings({s: v for s, v in values.items() if v != default(f"lightning_trainer.{s}")})
+
+
+def lightning_trainer_resolved(trainer: Any) -> None:
+    """Record the knobs whose setting the Trainer resolved: its precision plugin's precision, and cuDNN's benchmark
+    flag as the Trainer set it (read back from the framework, not from what autotune passed)."""
+    precision = knob("lightning_trainer.precision", record=False)
+    if precision != "default" and str(getattr(trainer, "precision", "")) == precision:
+        took_effect("lightning_trainer.precision")
+    if knob("lightning_trainer.benchmark", record=False):
+        import torch
+
+        if torch.backends.cudnn.benchmark:
+            took_effect("lightning_trainer.benchmark")
 
 
 # --- nccl_env (transforms/nccl_env.py) ------------------------------------------------------------

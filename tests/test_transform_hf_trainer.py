@@ -85,7 +85,7 @@ def test_settings_the_script_writes_are_its_choice(tmp_path):
         (Status.APPLICABLE, "TrainingArguments: tf32, dataloader_num_workers become knobs"),
     ]
     text = run(load_project(tmp_path / "train.py"), select(["hf_trainer"]), hooks=False).files[0].new_text
-    assert "**_autotune.hf_trainer_args(script_sets=('precision', 'torch_compile', 'optim'))" in text
+    assert '**_autotune.hf_trainer_args(script_sets=("precision", "torch_compile", "optim"))' in text
 
 
 def test_arguments_from_a_dict_and_arguments_without_a_trainer_are_left_alone(tmp_path):

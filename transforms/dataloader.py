@@ -66,7 +66,7 @@ class Dataloader(Transform):
         for call in facts.calls:
             if facts.qualname(call.func) not in _DATALOADER:
                 continue
-            if not self.project.loops:
+            if not self.project.trains:
                 self.report(facts, call, Status.NOT_APPLICABLE, "no training loop in this script")
                 continue
             if any(facts.is_runtime_call(a.value, "dataloader_kwargs") for a in call.args if a.star == "**"):

@@ -7,7 +7,8 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, is_literal, kwarg, star_kwargs, stmt
+from autotune.syntax import is_literal, stmt
+from autotune.transforms._settings import code_of, keyword_settings, string_value
 
 # TrainingArguments and the subclasses libraries ship (a local subclass of any of them counts too)
 ARGUMENT_CLASSES = {
@@ -78,42 +79,11 @@ class HfTrainer(Transform):
 
     def _arguments(self, facts: ModuleFacts, call: cst.Call, edits: Edits, hf: bool) -> None:
         """``TrainingArguments(output_dir=..., ...)``: the settings the script leaves out become knobs there."""
-        if any(facts.is_runtime_call(a.value, "hf_trainer_args") for a in call.args if a.star == "**"):
-            self.report(facts, call, Status.PRESENT, "the Trainer's settings are already knobs")
-            return
-        if not hf:
+        if not hf and not any(facts.is_runtime_call(a.value, "hf_trainer_args") for a in call.args if a.star == "**"):
             self.report(facts, call, Status.NOT_APPLICABLE, "no Hugging Face Trainer trains in this script")
             return
-        splat = next((a for a in call.args if a.star), None)
-        if splat is not None:
-            self.report(facts, call, Status.NOT_APPLICABLE,
-                        f"{splat.star}{facts.code(splat.value)} may give the settings: which, is not known")
-            return
-        written = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
-        kept = []
-        for setting, keywords in SETTING_KEYWORDS.items():
-            given = [k for k in keywords if k in written]
-            if given:
-                kept.append(setting)
-                code = ", ".join(f"{k}={facts.code(written[k])}" for k in given)
-                # a compile mode or backend turns compilation on (TrainingArguments.__post_init__)
-                on = any(is_literal(written[k], True) or (k != "optim" and isinstance(written[k], cst.SimpleString))
-                         for k in given) or (setting == "optim" and _string(written["optim"]) == FUSED)
-                status = Status.PRESENT if on else Status.USER
-                self.report(facts, call, status, f"the script sets {code}" + ("" if on else ": its choice is kept"))
-        free = [s for s in SETTING_KEYWORDS if s not in kept and self._searched(s)]
-        if not free:
-            return
-        self.report(facts, call, Status.APPLICABLE, f"TrainingArguments: {', '.join(free)} become knobs")
-        if self.mode.gated:
-            self.settings_read.update(free)
-            helper = edits.runtime("hf_trainer_args")
-            args = f"script_sets=({', '.join(map(repr, kept))}{',' if len(kept) == 1 else ''})" if kept else ""
-            edits.rewrite(call, lambda node: add_args(node, star_kwargs(f"{helper}({args})")))
-        else:
-            values = self._baked(free)
-            if values:
-                edits.rewrite(call, lambda node: add_args(node, *(kwarg(k, v) for k, v in values.items())))
+        keyword_settings(self, facts, call, edits, HF_SETTINGS, "hf_trainer_args", "TrainingArguments", _on,
+                         self._baked)
 
     def _parser(self, facts: ModuleFacts, call: cst.Call, edits: Edits, hf: bool) -> None:
         """``parser = HfArgumentParser((ModelArguments, TrainingArguments))``: the knobs become the parser's
@@ -135,7 +105,7 @@ class HfTrainer(Transform):
         if not hf:
             self.report(facts, call, Status.NOT_APPLICABLE, "no Hugging Face Trainer trains in this script")
             return
-        free = [s for s in SETTING_KEYWORDS if self._searched(s)]
+        free = [s for s in HF_SETTINGS if self._searched(s)]
         self.report(
             facts, call, Status.APPLICABLE,
             f"the parser's defaults for {', '.join(free)} become knobs: a value given on the command line wins "
@@ -155,13 +125,16 @@ class HfTrainer(Transform):
 
     def _baked(self, settings: list[str]) -> dict[str, str]:
         """The keyword arguments (name -> code) a person would write for the chosen values of ``settings``."""
-        return {k: f'"{v}"' if isinstance(v, str) else repr(v) for k, v in trainer_settings(
+        return {k: code_of(v) for k, v in hf_settings(
             {s: self.mode.value(self.knob(s)) for s in settings}, default_optim=None).items()}
 
 
-def _string(node: cst.BaseExpression) -> str | None:
-    value = node.evaluated_value if isinstance(node, cst.SimpleString) else None
-    return value if isinstance(value, str) else None
+def _on(keyword: str, value: cst.BaseExpression) -> bool:
+    """Whether the script's ``keyword=value`` turns the fast path on: True, the fused optimizer, or a compile mode or
+    backend (which turn compilation on: TrainingArguments.__post_init__)."""
+    if keyword == "optim":
+        return string_value(value) == FUSED
+    return is_literal(value, True) or (keyword.startswith("torch_compile_") and isinstance(value, cst.SimpleString))
 
 
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
@@ -171,7 +144,7 @@ from typing import Any
 from autotune.knob_values import default, knob, took_effect
 
 # each knob's setting -> the TrainingArguments fields that decide it (a script that writes one keeps its choice)
-SETTING_KEYWORDS = {
+HF_SETTINGS = {
     "precision": ("bf16", "fp16"),
     "tf32": ("tf32",),
     "torch_compile": ("torch_compile", "torch_compile_mode", "torch_compile_backend"),
@@ -181,7 +154,7 @@ SETTING_KEYWORDS = {
 FUSED = "adamw_torch_fused"
 
 
-def trainer_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, Any]:
+def hf_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, Any]:
     """TrainingArguments fields (name -> value) for knob settings (setting -> choice); a choice at its default sets
     nothing. ``default_optim``: the installed TrainingArguments' own optim, where known (fused there already: not
     set again)."""
@@ -209,7 +182,7 @@ def _installed_optim() -> str | None:
 
 
 def _knob_values(script_sets: tuple[str, ...]) -> dict[str, Any]:
-    return {s: knob(f"hf_trainer.{s}", record=False) for s in SETTING_KEYWORDS if s not in script_sets}
+    return {s: knob(f"hf_trainer.{s}", record=False) for s in HF_SETTINGS if s not in script_sets}
 
 
 def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -218,7 +191,7 @@ def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
     values = _knob_values(script_sets)
     if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
         return {}
-    return trainer_settings(values, _installed_optim())
+    return hf_settings(values, _installed_optim())
 
 
 def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
@@ -228,8 +201,8 @@ def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
     if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
         return {}
     given = _given_on_command_line(parser)
-    values = {s: v for s, v in values.items() if not given.intersection(SETTING_KEYWORDS[s])}
-    return trainer_settings(values, _installed_optim())
+    values = {s: v for s, v in values.items() if not given.intersection(HF_SETTINGS[s])}
+    return hf_settings(values, _installed_optim())
 
 
 def _given_on_command_line(parser: Any) -> set[str]:

@@ -1,0 +1,97 @@
+"""lightning_trainer: the Lightning Trainer's precision= and benchmark= as knobs where the script builds the Trainer;
+trials time its optimizer steps through a callback (the DataLoader and fused-optimizer knobs apply inside the
+LightningModule and LightningDataModule as in any script).
+
+Running the fixture needs lightning (a test dependency); the tests that only parse do not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from loss_probe import run_probe
+from transform_cases import case, losses, sites
+
+from autotune.patch import run, write_outputs
+from autotune.project import load_project
+from autotune.transform import Status
+
+ARGS = ["--max-steps", "12"]
+
+
+def test_precision_and_benchmark_become_knobs_where_the_script_builds_the_trainer():
+    (site,) = sites("lightning_trainer", "plain")
+    assert (site.status, site.reason) == (Status.APPLICABLE, "Trainer: precision, benchmark become knobs")
+
+
+def test_a_precision_the_script_gives_is_its_choice():
+    assert [(s.line, s.status, s.reason) for s in sites("lightning_trainer", "user_precision")] == [
+        (14, Status.USER, "the script sets precision=args.precision: its choice is kept"),
+        (14, Status.APPLICABLE, "Trainer: benchmark becomes a knob"),
+        (17, Status.PRESENT, 'the script sets precision="bf16-mixed"'),
+        (17, Status.APPLICABLE, "Trainer: benchmark becomes a knob"),
+    ]
+
+
+def test_the_whole_patch_reaches_the_modules_optimizer_and_the_datamodules_loader(tmp_path):
+    result = run(load_project(case("lightning_trainer", "plain")))
+    text = result.files[0].new_text
+    assert "**_autotune.optimizer_impl()" in text and "**_autotune.dataloader_kwargs()" in text
+    assert "_autotune.framework_trial(trainer)\n    trainer.fit(model, datamodule=data)" in text
+
+
+def _patched_script(tmp_path: Path) -> Path:
+    result = run(load_project(case("lightning_trainer", "plain")))
+    write_outputs(result, tmp_path / "patched", "plain.py")
+    return tmp_path / "patched" / result.files[0].rel
+
+
+def _trial(script: Path, args, tmp_path: Path, knobs=None, warmup: int = 2, steps: int = 3) -> dict:
+    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
+    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec)}
+    env.pop("AUTOTUNE_CONFIG", None)
+    if knobs is not None:
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump({"device": "cpu", "knobs": knobs}))
+        env["AUTOTUNE_CONFIG"] = str(config)
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert result.exists(), proc.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
+pytest.importorskip("lightning")
+
+
+def test_the_patched_script_at_its_defaults_trains_exactly_like_the_original(tmp_path):
+    original = losses(tmp_path, "original", case("lightning_trainer", "plain").read_text(), args=ARGS)
+    patched = losses(tmp_path, "patched", _patched_script(tmp_path).read_text(), args=ARGS)
+    assert patched == original
+
+
+def test_a_trial_counts_optimizer_steps_and_sums_the_losses_of_their_micro_batches(tmp_path):
+    import torch
+
+    args = [*ARGS, "--accumulate", "2"]
+    original = run_probe(case("lightning_trainer", "plain"), args, steps=6, out=tmp_path / "orig.json", cwd=tmp_path)
+    result = _trial(_patched_script(tmp_path), args, tmp_path, warmup=1, steps=2)
+    assert result["status"] == "ok" and result["steps_done"] == 3, result["error"]
+    assert result["batch_size"] == 32
+    # backward() saw each micro-batch's loss divided by 2, as Lightning divides it; a step's loss is their sum
+    micro = [torch.tensor(float.fromhex(h)) for h in original]
+    assert result["losses"] == [[(a + b).item()] for a, b in zip(micro[::2], micro[1::2])]
+
+
+@pytest.mark.parametrize("precision, applied", [("bf16-mixed", ["lightning_trainer.precision"]), ("16-mixed", [])])
+def test_the_precision_counts_as_applied_where_the_trainer_resolved_it(precision, applied, tmp_path):
+    # on a CPU Lightning turns 16-mixed into bf16-mixed: the knob's own choice did not reach the run
+    result = _trial(_patched_script(tmp_path), ARGS, tmp_path, knobs={"lightning_trainer.precision": precision},
+                    warmup=1, steps=1)
+    assert result["status"] == "ok", result["error"]
+    assert result["applied"] == applied
