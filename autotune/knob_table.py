@@ -4,6 +4,15 @@ from autotune.knobs import Knob, Numerics
 
 KNOBS = {knob.name: knob for knob in (
     Knob(
+        'accelerator.mixed_precision',
+        ('default', 'bf16', 'fp16'),
+        'default',
+        Numerics.LOWP,
+        devices=frozenset({'cpu', 'cuda'}),
+        help="Accelerator(mixed_precision=...): bf16 or fp16 autocast in the prepared model's forward (fp16 with a gradient scaler in accelerator.backward); an `accelerate launch --mixed_precision` choice wins",
+        compiles=False,
+    ),
+    Knob(
         'allocator.expandable_segments',
         (False, True),
         False,
@@ -172,6 +181,15 @@ KNOBS = {knob.name: knob for knob in (
         Numerics.REORDER,
         devices=frozenset({'cpu', 'cuda'}),
         help="promise that the set of used parameters and the graph never change between steps: DDP then skips its per-step bookkeeping (a dynamic graph fails or diverges, which a trial shows); never offered where gradients accumulate under no_sync(): it breaks no_sync() gradient accumulation (pytorch/pytorch#187732); bucket layout changes the all-reduce's summation order with 3+ ranks (last-bit differences)",
+        compiles=False,
+    ),
+    Knob(
+        'fabric.precision',
+        ('default', 'bf16-mixed', '16-mixed'),
+        'default',
+        Numerics.LOWP,
+        devices=frozenset({'cpu', 'cuda'}),
+        help="Fabric(precision=...): bf16 or fp16 autocast in the set-up model's forward (16-mixed with a gradient scaler in fabric.backward; on a CPU Fabric runs bf16 instead); a `fabric run --precision` choice wins",
         compiles=False,
     ),
     Knob(

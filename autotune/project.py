@@ -102,8 +102,6 @@ FRAMEWORK_TRAINERS = {
     "lightning.pytorch.trainer.trainer.Trainer": "the Lightning Trainer",
     "pytorch_lightning.Trainer": "the Lightning Trainer",
 }
-# frameworks whose training steps a trial times (through the framework's own callbacks) and whose settings are knobs
-TUNED_FRAMEWORKS = ("the Hugging Face Trainer", "the Lightning Trainer")
 _TRAINS = {"train", "fit"}  # Trainer.train(), Trainer.fit(model)
 
 
@@ -148,9 +146,7 @@ class Project:
         """The framework training calls whose steps a trial can time: ``trainer.train()`` of the Hugging Face
         Trainer, ``trainer.fit(...)`` of the Lightning Trainer, on a name the patched script can hand to the trial
         hook just before it."""
-        return [f for f in self.frameworks
-                if f.framework.startswith(TUNED_FRAMEWORKS) and isinstance(f.call.func, cst.Attribute)
-                and isinstance(f.call.func.value, cst.Name)]
+        return [f for f in self.frameworks if isinstance(f.call.func, cst.Attribute) and isinstance(f.call.func.value, cst.Name)]
 
     @property
     def trains(self) -> bool:
@@ -161,9 +157,11 @@ class Project:
         """Why no training autotune can time was found, as the user reads it."""
         if self.frameworks:
             f = self.frameworks[0]
-            why = ("the Trainer is built inside the call, where autotune cannot hand it to its trial hook"
-                   if f.framework.startswith(TUNED_FRAMEWORKS) else "autotune does not tune this framework's own loop yet")
-            return f"training runs inside {f.framework} ({f.where()}): {why}, and found no training loop of the script's own"
+            return (
+                f"training runs inside {f.framework} ({f.where()}): the Trainer is built inside the call that trains, "
+                "where autotune cannot hand it to its trial hook (assign it to a name first), and found no training "
+                "loop of the script's own"
+            )
         return NO_LOOP
 
     def by_modname(self, name: str) -> ModuleFacts | None:

@@ -13,14 +13,17 @@ from typing import Any
 from autotune.knob_values import _fail, default, device_type, knob, on_reset, reports_applied, took_effect
 
 __all__ = [
+    'ACCELERATOR_SETTINGS',
     'ALGO',
     'CUDAGRAPH_MODES',
+    'FABRIC_SETTINGS',
     'FLAGS',
     'FUSED',
     'HF_SETTINGS',
     'LIGHTNING_SETTINGS',
     'PREFETCH_MEMBER',
     'VARIABLES',
+    'accelerator_args',
     'allocator_env',
     'allocator_statements',
     'autocast',
@@ -39,6 +42,7 @@ __all__ = [
     'ddp_kwargs',
     'detect_anomaly',
     'env_value',
+    'fabric_args',
     'flag_statements',
     'fsdp_kwargs',
     'fully_shard_kwargs',
@@ -63,6 +67,22 @@ __all__ = [
     'threads',
     'unscale_',
 ]
+
+
+# --- accelerator (transforms/accelerator.py) ------------------------------------------------------
+
+
+ACCELERATOR_SETTINGS = {"mixed_precision": ("mixed_precision",)}
+
+
+def accelerator_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Accelerator keywords for the knob: nothing at its default, where the script gives mixed_precision itself, or
+    where ``accelerate launch --mixed_precision`` (or its config) chose one for this run (its environment variable)."""
+    value = knob("accelerator.mixed_precision", record=False)
+    if value == "default" or "mixed_precision" in script_sets or os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return {}
+    took_effect("accelerator.mixed_precision")
+    return {"mixed_precision": value}
 
 
 # --- allocator (transforms/allocator.py) ----------------------------------------------------------
@@ -456,6 +476,22 @@ def ddp_kwargs(**script: Any) -> dict[str, Any]:
         if name not in script and value != default(f"ddp.{name}"):
             out[name] = value
     return out
+
+
+# --- fabric (transforms/fabric.py) ----------------------------------------------------------------
+
+
+FABRIC_SETTINGS = {"precision": ("precision",)}
+
+
+def fabric_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Fabric keywords for the knob: nothing at its default, where the script gives precision itself, or where
+    ``fabric run --precision`` chose one for this run (its environment variable)."""
+    value = knob("fabric.precision", record=False)
+    if value == "default" or "precision" in script_sets or os.environ.get("LT_PRECISION"):
+        return {}
+    took_effect("fabric.precision")
+    return {"precision": value}
 
 
 # --- fsdp (transforms/fsdp.py) --------------------------------------------------------------------

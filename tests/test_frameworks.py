@@ -1,6 +1,7 @@
 """Training inside a framework's Trainer (issue 21.1): scan names the framework and the call that trains; patch and
-search go on where autotune tunes that framework (the Hugging Face Trainer: tests/test_transform_hf_trainer.py), and
-refuse with its name, in one line, where it does not yet. The fixtures are parsed, never run."""
+search go on with the framework's own settings as knobs (tests/test_transform_hf_trainer.py,
+test_transform_lightning_trainer.py), and refuse with its name, in one line, where the Trainer is built inside the call
+that trains. The fixtures are parsed, never run."""
 
 from __future__ import annotations
 
@@ -62,16 +63,16 @@ def test_scan_names_the_framework_whose_settings_are_the_knobs(capsys):
     assert any(s["transform"] == "hf_trainer" and s["status"] == "applicable" for s in doc["sites"])
 
 
-def test_patch_refuses_a_framework_it_does_not_tune_yet_with_its_name(tmp_path, monkeypatch, capsys):
-    script = FRAMEWORKS / "lightning_fit.py"
+def test_patch_refuses_a_trainer_built_inside_the_call_that_trains_with_its_name(tmp_path, monkeypatch, capsys):
+    script = FRAMEWORKS / "lightning_fit.py"  # L.Trainer(...).fit(model): no name to hand to the trial hook
     assert main(["scan", str(script)]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "training runs inside the Lightning Trainer" in out and "does not tune this framework's own loop yet" in out
+    assert "training runs inside the Lightning Trainer" in out and "the Trainer is built inside the call" in out
 
     monkeypatch.chdir(tmp_path)
     assert main(["patch", str(script), "--out", "out"]) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
-    assert "the Lightning Trainer" in err and "nothing patched" in err
+    assert "the Lightning Trainer" in err and "assign it to a name first" in err and "nothing patched" in err
     assert not (tmp_path / "out").exists()
 
 

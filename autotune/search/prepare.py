@@ -128,7 +128,8 @@ def start_of(device: str, wanted: SpaceFile, own: bool) -> tuple[dict[str, Any],
         start.update({k: v for k, v in bundled.start.items() if k not in start})
         expensive.update({k: v for k, v in bundled.expensive.items() if k not in expensive})
     if device == "cpu" and not cpu_has_bf16():
-        for name in ("autocast.dtype", "hf_trainer.precision", "lightning_trainer.precision"):
+        for name in ("autocast.dtype", "hf_trainer.precision", "lightning_trainer.precision", "accelerator.mixed_precision",
+                     "fabric.precision"):
             if start.get(name) in ("bf16", "bf16-mixed"):
                 del start[name]
     return start, expensive
