@@ -6,16 +6,12 @@ download). Running them needs transformers (a test dependency); the tests that o
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from loss_probe import run_probe
-from transform_cases import case, losses, sites
+from transform_cases import case, losses, sites, trial
 
 from autotune.cli import main
 from autotune.patch import run, select, write_outputs
@@ -33,21 +29,6 @@ def _patched_script(tmp_path: Path, name: str) -> Path:
     result = run(load_project(case("hf_trainer", name)))
     write_outputs(result, tmp_path / "patched", f"{name}.py")
     return tmp_path / "patched" / result.files[0].rel
-
-
-def _trial(script: Path, args, tmp_path: Path, knobs=None, warmup: int = 2, steps: int = 3) -> dict:
-    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
-    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
-    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec), "OMP_NUM_THREADS": "1"}
-    env.pop("AUTOTUNE_CONFIG", None)
-    if knobs is not None:
-        config = tmp_path / "config.yaml"
-        config.write_text(yaml.safe_dump({"device": "cpu", "knobs": knobs}))
-        env["AUTOTUNE_CONFIG"] = str(config)
-    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
-    assert result.exists(), proc.stderr[-3000:]
-    return json.loads(result.read_text())
 
 
 # --- what scan and patch find (parsed only) --------------------------------------------------------------------
@@ -143,7 +124,7 @@ def test_the_patched_script_at_its_defaults_trains_exactly_like_the_original(nam
 
 def test_a_trial_times_the_trainers_steps_and_keeps_each_steps_loss(tmp_path):
     original = run_probe(case("hf_trainer", "plain"), PLAIN_ARGS, steps=5, out=tmp_path / "orig.json", cwd=tmp_path)
-    result = _trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, warmup=2, steps=3)
+    result = trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, warmup=2, steps=3)
     assert result["status"] == "ok" and result["steps_done"] == 5, result["error"]  # ended after 5 of 40 steps
     assert len(result["step_times"]) == 3
     assert result["losses"] == [[float.fromhex(h)] for h in original]  # the loss backward() saw, step by step
@@ -153,7 +134,7 @@ def test_a_trial_times_the_trainers_steps_and_keeps_each_steps_loss(tmp_path):
 def test_a_step_of_gradient_accumulation_records_the_sum_of_its_micro_steps(tmp_path):
     args = [*PARSED_ARGS, "--gradient_accumulation_steps", "2"]
     original = run_probe(case("hf_trainer", "parsed"), args, steps=6, out=tmp_path / "orig.json", cwd=tmp_path)
-    result = _trial(_patched_script(tmp_path, "parsed"), args, tmp_path, warmup=1, steps=2)
+    result = trial(_patched_script(tmp_path, "parsed"), args, tmp_path, warmup=1, steps=2)
     assert result["status"] == "ok" and result["steps_done"] == 3, result["error"]
     import torch
 
@@ -170,7 +151,7 @@ def _installed_optim() -> str:
 def test_each_knob_reaches_the_setting_the_trainer_resolves(tmp_path):
     knobs = {"hf_trainer.precision": "bf16", "hf_trainer.dataloader_num_workers": 2,
              "hf_trainer.optim": "adamw_torch_fused"}
-    result = _trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
+    result = trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
     assert result["status"] == "ok", result["error"]
     # read back from the Trainer's own TrainingArguments; optim counts only where it is not already the default
     fused_default = _installed_optim() == "adamw_torch_fused"
@@ -181,11 +162,11 @@ def test_each_knob_reaches_the_setting_the_trainer_resolves(tmp_path):
 def test_a_value_given_on_the_command_line_wins_over_the_knob(tmp_path):
     knobs = {"hf_trainer.precision": "bf16", "hf_trainer.dataloader_num_workers": 2}
     script = _patched_script(tmp_path, "parsed")
-    result = _trial(script, PARSED_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
+    result = trial(script, PARSED_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
     assert sorted(result["applied"]) == ["hf_trainer.dataloader_num_workers", "hf_trainer.precision"]
     # the user's own --fp16 decides the precision (bf16 is not added beside it), their worker count stands
     given = [*PARSED_ARGS, "--dataloader_num_workers", "1", "--bf16", "false"]
-    result = _trial(script, given, tmp_path, knobs=knobs, warmup=1, steps=1)
+    result = trial(script, given, tmp_path, knobs=knobs, warmup=1, steps=1)
     assert result["status"] == "ok", result["error"]
     assert result["applied"] == []
 

@@ -6,16 +6,11 @@ Running the fixture needs lightning (a test dependency); the tests that only par
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from loss_probe import run_probe
-from transform_cases import case, losses, sites
+from transform_cases import case, losses, sites, trial
 
 from autotune.patch import run, write_outputs
 from autotune.project import load_project
@@ -51,21 +46,6 @@ def _patched_script(tmp_path: Path) -> Path:
     return tmp_path / "patched" / result.files[0].rel
 
 
-def _trial(script: Path, args, tmp_path: Path, knobs=None, warmup: int = 2, steps: int = 3) -> dict:
-    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
-    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
-    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec)}
-    env.pop("AUTOTUNE_CONFIG", None)
-    if knobs is not None:
-        config = tmp_path / "config.yaml"
-        config.write_text(yaml.safe_dump({"device": "cpu", "knobs": knobs}))
-        env["AUTOTUNE_CONFIG"] = str(config)
-    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
-    assert result.exists(), proc.stderr[-3000:]
-    return json.loads(result.read_text())
-
-
 pytest.importorskip("lightning")
 
 
@@ -80,7 +60,7 @@ def test_a_trial_counts_optimizer_steps_and_sums_the_losses_of_their_micro_batch
 
     args = [*ARGS, "--accumulate", "2"]
     original = run_probe(case("lightning_trainer", "plain"), args, steps=6, out=tmp_path / "orig.json", cwd=tmp_path)
-    result = _trial(_patched_script(tmp_path), args, tmp_path, warmup=1, steps=2)
+    result = trial(_patched_script(tmp_path), args, tmp_path, warmup=1, steps=2)
     assert result["status"] == "ok" and result["steps_done"] == 3, result["error"]
     assert result["batch_size"] == 32
     # backward() saw each micro-batch's loss divided by 2, as Lightning divides it; a step's loss is their sum
@@ -91,7 +71,7 @@ def test_a_trial_counts_optimizer_steps_and_sums_the_losses_of_their_micro_batch
 @pytest.mark.parametrize("precision, applied", [("bf16-mixed", ["lightning_trainer.precision"]), ("16-mixed", [])])
 def test_the_precision_counts_as_applied_where_the_trainer_resolved_it(precision, applied, tmp_path):
     # on a CPU Lightning turns 16-mixed into bf16-mixed: the knob's own choice did not reach the run
-    result = _trial(_patched_script(tmp_path), ARGS, tmp_path, knobs={"lightning_trainer.precision": precision},
+    result = trial(_patched_script(tmp_path), ARGS, tmp_path, knobs={"lightning_trainer.precision": precision},
                     warmup=1, steps=1)
     assert result["status"] == "ok", result["error"]
     assert result["applied"] == applied

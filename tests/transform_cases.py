@@ -83,3 +83,25 @@ def assert_same_losses(got: Sequence[str], want: Sequence[str], device: str) -> 
 
 def original(tmp: Path, transform: str, name: str, args: Sequence[str] = (), steps: int = 6) -> list[str]:
     return losses(tmp, "original", case(transform, name).read_text(encoding="utf-8"), args=args, steps=steps)
+
+
+def trial(script: Path, args: Sequence[str], tmp: Path, knobs: Mapping[str, Any] | None = None, warmup: int = 2,
+          steps: int = 3) -> dict:
+    """The result of one trial (``AUTOTUNE_TRIAL``) of a patched ``script`` run in ``tmp``, under ``knobs`` if given."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec, result = tmp / "spec.json", tmp / "result.json"
+    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
+    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec)}
+    env.pop("AUTOTUNE_CONFIG", None)
+    if knobs is not None:
+        config = tmp / "config.yaml"
+        config.write_text(yaml.safe_dump({"device": "cpu", "knobs": dict(knobs)}))
+        env["AUTOTUNE_CONFIG"] = str(config)
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=tmp)
+    assert result.exists(), proc.stderr[-3000:]
+    return json.loads(result.read_text())
