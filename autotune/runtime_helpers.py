@@ -16,14 +16,18 @@ __all__ = [
     'ACCELERATOR_SETTINGS',
     'ALGO',
     'CUDAGRAPH_MODES',
+    'FABRIC_OFF',
     'FABRIC_SETTINGS',
     'FLAGS',
     'FUSED',
     'HF_SETTINGS',
+    'LIGHTNING_OFF',
     'LIGHTNING_SETTINGS',
+    'OFF',
     'PREFETCH_MEMBER',
     'VARIABLES',
     'accelerator_args',
+    'accelerator_switch',
     'allocator_env',
     'allocator_statements',
     'autocast',
@@ -43,6 +47,7 @@ __all__ = [
     'detect_anomaly',
     'env_value',
     'fabric_args',
+    'fabric_switch',
     'flag_statements',
     'fsdp_kwargs',
     'fully_shard_kwargs',
@@ -55,6 +60,7 @@ __all__ = [
     'lightning_settings',
     'lightning_trainer_args',
     'lightning_trainer_resolved',
+    'lightning_trainer_switch',
     'nccl_env',
     'no_sync',
     'non_blocking',
@@ -73,6 +79,7 @@ __all__ = [
 
 
 ACCELERATOR_SETTINGS = {"mixed_precision": ("mixed_precision",)}
+OFF = (None, "no")  # the script's own mixed_precision switch is off (None: Accelerate's config decides)
 
 
 def accelerator_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -83,6 +90,16 @@ def accelerator_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
         return {}
     took_effect("accelerator.mixed_precision")
     return {"mixed_precision": value}
+
+
+def accelerator_switch(setting: str, script_value: Any) -> Any:
+    """``mixed_precision=args.mixed_precision``: the script's value where its switch is on; where it is off
+    (None, "no"), the knob's, unless ``accelerate launch`` chose one for this run (None defers to it)."""
+    value = knob(f"accelerator.{setting}", record=False)
+    if script_value not in OFF or value == "default" or (script_value is None and os.environ.get("ACCELERATE_MIXED_PRECISION")):
+        return script_value
+    took_effect(f"accelerator.{setting}")
+    return value
 
 
 # --- allocator (transforms/allocator.py) ----------------------------------------------------------
@@ -482,6 +499,7 @@ def ddp_kwargs(**script: Any) -> dict[str, Any]:
 
 
 FABRIC_SETTINGS = {"precision": ("precision",)}
+FABRIC_OFF = (None, "32-true", "32", 32)  # the script's own precision switch is off: full precision
 
 
 def fabric_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -492,6 +510,16 @@ def fabric_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
         return {}
     took_effect("fabric.precision")
     return {"precision": value}
+
+
+def fabric_switch(setting: str, script_value: Any) -> Any:
+    """``precision=args.precision``: the script's value where its switch is on; where it is full precision, the
+    knob's, unless ``fabric run --precision`` chose one for this run (None defers to it)."""
+    value = knob(f"fabric.{setting}", record=False)
+    if script_value not in FABRIC_OFF or value == "default" or (script_value is None and os.environ.get("LT_PRECISION")):
+        return script_value
+    took_effect(f"fabric.{setting}")
+    return value
 
 
 # --- fsdp (transforms/fsdp.py) --------------------------------------------------------------------
@@ -660,6 +688,7 @@ def hf_trainer_resolved(args: Any) -> None:
 
 # each knob's setting -> the Trainer keywords that decide it (a script that writes one keeps its choice)
 LIGHTNING_SETTINGS = {"precision": ("precision",), "benchmark": ("benchmark",)}
+LIGHTNING_OFF = (None, "32-true", "32", 32)  # the script's own precision switch is off: full precision
 
 
 def lightning_settings(values: dict[str, Any]) -> dict[str, Any]:
@@ -690,6 +719,13 @@ def lightning_trainer_resolved(trainer: Any) -> None:
 
         if torch.backends.cudnn.benchmark:
             took_effect("lightning_trainer.benchmark")
+
+
+def lightning_trainer_switch(setting: str, script_value: Any) -> Any:
+    """``precision=args.precision``: the script's value where its switch is on; where it is full precision, the
+    knob's (which the trial reads back from the Trainer, as for a precision the script leaves out)."""
+    value = knob(f"lightning_trainer.{setting}", record=False)
+    return script_value if script_value not in LIGHTNING_OFF or value == "default" else value
 
 
 # --- nccl_env (transforms/nccl_env.py) ------------------------------------------------------------

@@ -49,3 +49,34 @@ def test_the_knob_reaches_the_accelerator_unless_the_launcher_chose(launcher, re
     got = readback(_patched(tmp_path), ARGS, "accelerate:Accelerator", "mixed_precision", tmp_path / "seen.json",
                    env, tmp_path)
     assert got == resolved
+
+
+def test_the_scripts_own_precision_option_is_the_switch_the_knob_turns_on_where_it_is_off(tmp_path):
+    (site,) = sites("accelerator", "switched")
+    assert site.status is Status.APPLICABLE and "the script's own switch" in site.reason
+    result = run(load_project(case("accelerator", "switched")))
+    write_outputs(result, tmp_path / "patched", "switched.py")
+    script = tmp_path / "patched" / result.files[0].rel
+    config = tmp_path / "config.yaml"
+    config.write_text("device: cpu\nknobs:\n  accelerator.mixed_precision: bf16\n")
+    env = {"AUTOTUNE_CONFIG": str(config), "AUTOTUNE_TRIAL": None, "ACCELERATE_MIXED_PRECISION": None}
+    seen = tmp_path / "seen.json"
+    # the option left at its default (None): the knob's bf16; without the knob, the script's own choices as before
+    assert readback(script, ARGS, "accelerate:Accelerator", "mixed_precision", seen, env, tmp_path) == ["bf16"]
+    given = [*ARGS, "--mixed_precision", "bf16"]
+    env["AUTOTUNE_CONFIG"] = None
+    assert readback(script, given, "accelerate:Accelerator", "mixed_precision", seen, env, tmp_path) == ["bf16"]
+    assert readback(script, ARGS, "accelerate:Accelerator", "mixed_precision", seen, env, tmp_path) == ["no"]
+
+
+def test_the_baked_switch_trains_like_the_patched_script_at_that_choice(tmp_path):
+    from autotune.bake import bake
+
+    baked = bake(load_project(case("accelerator", "switched")), {"accelerator.mixed_precision": "bf16"}, "cpu")
+    result = run(load_project(case("accelerator", "switched")))
+    write_outputs(result, tmp_path / "patched", "switched.py")
+    knobs = {"accelerator.mixed_precision": "bf16"}
+    gated = losses(tmp_path, "gated", (tmp_path / "patched" / result.files[0].rel).read_text(), knobs=knobs, args=ARGS)
+    plain = losses(tmp_path, "plain", baked.files[0].new_text, args=ARGS)
+    assert plain == gated
+    assert gated != losses(tmp_path, "original", case("accelerator", "switched").read_text(), args=ARGS)

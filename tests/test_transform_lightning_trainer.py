@@ -24,9 +24,11 @@ def test_precision_and_benchmark_become_knobs_where_the_script_builds_the_traine
     assert (site.status, site.reason) == (Status.APPLICABLE, "Trainer: precision, benchmark become knobs")
 
 
-def test_a_precision_the_script_gives_is_its_choice():
+def test_a_precision_the_script_writes_is_its_choice_and_its_own_option_is_a_switch():
     assert [(s.line, s.status, s.reason) for s in sites("lightning_trainer", "user_precision")] == [
-        (14, Status.USER, "the script sets precision=args.precision: its choice is kept"),
+        (14, Status.APPLICABLE, 'precision=args.precision: the script\'s own switch (present, switched off where it '
+                                'is None or "32-true" or "32" or 32), which the lightning_trainer.precision knob '
+                                'turns on there'),
         (14, Status.APPLICABLE, "Trainer: benchmark becomes a knob"),
         (17, Status.PRESENT, 'the script sets precision="bf16-mixed"'),
         (17, Status.APPLICABLE, "Trainer: benchmark becomes a knob"),

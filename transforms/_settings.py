@@ -9,7 +9,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, kwarg, star_kwargs
+from autotune.syntax import add_args, expr, kwarg, star_kwargs
 
 
 def string_value(node: cst.BaseExpression) -> str | None:
@@ -27,6 +27,7 @@ def keyword_settings(
     what: str,
     on: Callable[[str, cst.BaseExpression], bool],
     baked: Callable[[list[str]], dict[str, str]],
+    switches: Mapping[str, tuple[str, tuple]] | None = None,
 ) -> None:
     """Report and edit ``call``, whose keywords give a framework's settings.
 
@@ -34,6 +35,11 @@ def keyword_settings(
     "already present" where ``on(keyword, value)``, else "kept as written"). Gated, ``**_autotune.<helper>(...)``
     is appended, told which settings the script gives itself; baked, ``baked(free settings)`` gives the keywords
     (name -> code) to append.
+
+    ``switches``: setting -> (runtime helper, the values that mean off) for the settings a script may switch itself
+    (``mixed_precision=args.mixed_precision``): its switch becomes the knob, which sets the value only where the
+    script's is off in a run; gated ``_autotune.<helper>("<setting>", <value>)``, baked ``<value> if <value> not
+    in <off> else <choice>``.
     """
     if any(facts.is_runtime_call(a.value, helper) for a in call.args if a.star == "**"):
         transform.report(facts, call, Status.PRESENT, f"{what} settings are already knobs")
@@ -45,9 +51,28 @@ def keyword_settings(
         return
     written = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
     kept = []
+    switched: dict[str, tuple[str, str]] = {}  # keyword -> (setting, the helper's code or the baked value's code)
     for setting, keywords in settings.items():
         given = [k for k in keywords if k in written]
-        if given:
+        switch = (switches or {}).get(setting)
+        if switch is not None and len(given) == 1 and facts.is_runtime_call(written[given[0]], switch[0]):
+            kept.append(setting)
+            transform.report(facts, call, Status.PRESENT, f"{what} settings are already knobs")
+        elif switch is not None and len(given) == 1 and not _literal(written[given[0]]):
+            kept.append(setting)
+            keyword, value = given[0], facts.code(written[given[0]])
+            off = " or ".join(map(code_of, switch[1]))
+            transform.report(facts, call, Status.APPLICABLE, (
+                f"{keyword}={value}: the script's own switch (present, switched off where it is {off}), which the "
+                f"{transform.name}.{setting} knob turns on there"))
+            if transform.mode.gated:
+                transform.settings_read.add(setting)
+                switched[keyword] = (setting, f'{edits.runtime(switch[0])}("{setting}", {value})')
+            elif transform.mode.value(transform.knob(setting)) != transform.knob(setting).default:
+                offs = f"({', '.join(map(code_of, switch[1]))}{',' if len(switch[1]) == 1 else ''})"
+                choice = code_of(transform.mode.value(transform.knob(setting)))
+                switched[keyword] = (setting, f"{value} if {value} not in {offs} else {choice}")
+        elif given:
             kept.append(setting)
             code = ", ".join(f"{k}={facts.code(written[k])}" for k in given)
             present = any(on(k, written[k]) for k in given)
@@ -55,19 +80,32 @@ def keyword_settings(
             transform.report(facts, call, status, f"the script sets {code}" + ("" if present else ": its choice is kept"))
     free = [s for s in settings if s not in kept and (transform.mode.gated or transform.knob(s).default
                                                        != transform.mode.value(transform.knob(s)))]
-    if not free:
+    extra: list[cst.Arg] = []
+    if free:
+        verb = "becomes a knob" if len(free) == 1 else "become knobs"
+        transform.report(facts, call, Status.APPLICABLE, f"{what}: {', '.join(free)} {verb}")
+        if transform.mode.gated:
+            transform.settings_read.update(free)
+            code = edits.runtime(helper)
+            args = f"script_sets=({', '.join(map(code_of, kept))}{',' if len(kept) == 1 else ''})" if kept else ""
+            extra = [star_kwargs(f"{code}({args})")]
+        else:
+            extra = [kwarg(k, v) for k, v in baked(free).items()]
+    if not (extra or switched):
         return
-    verb = "becomes a knob" if len(free) == 1 else "become knobs"
-    transform.report(facts, call, Status.APPLICABLE, f"{what}: {', '.join(free)} {verb}")
-    if transform.mode.gated:
-        transform.settings_read.update(free)
-        code = edits.runtime(helper)
-        args = f"script_sets=({', '.join(map(code_of, kept))}{',' if len(kept) == 1 else ''})" if kept else ""
-        edits.rewrite(call, lambda node: add_args(node, star_kwargs(f"{code}({args})")))
-    else:
-        values = baked(free)
-        if values:
-            edits.rewrite(call, lambda node: add_args(node, *(kwarg(k, v) for k, v in values.items())))
+
+    def rewrite(node: cst.Call) -> cst.Call:
+        node = node.with_changes(args=[
+            a.with_changes(value=expr(switched[a.keyword.value][1])) if a.keyword is not None
+            and a.keyword.value in switched else a for a in node.args])
+        return add_args(node, *extra) if extra else node
+
+    edits.rewrite(call, rewrite)
+
+
+def _literal(node: cst.BaseExpression) -> bool:
+    return isinstance(node, (cst.SimpleString, cst.Integer, cst.Float)) or (
+        isinstance(node, cst.Name) and node.value in ("True", "False", "None"))
 
 
 def code_of(value: object) -> str:

@@ -36,7 +36,7 @@ class Accelerator(Transform):
                 self.report(facts, call, Status.NOT_APPLICABLE, self.project.no_loop_reason())
                 continue
             keyword_settings(self, facts, call, edits, ACCELERATOR_SETTINGS, "accelerator_args", "Accelerator", _on,
-                             self._baked)
+                             self._baked, {"mixed_precision": ("accelerator_switch", OFF)})
 
     def _baked(self, settings: list[str]) -> dict[str, str]:
         value = self.mode.value(self.knob("mixed_precision"))
@@ -55,6 +55,7 @@ from typing import Any
 from autotune.knob_values import knob, took_effect
 
 ACCELERATOR_SETTINGS = {"mixed_precision": ("mixed_precision",)}
+OFF = (None, "no")  # the script's own mixed_precision switch is off (None: Accelerate's config decides)
 
 
 def accelerator_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -65,3 +66,13 @@ def accelerator_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
         return {}
     took_effect("accelerator.mixed_precision")
     return {"mixed_precision": value}
+
+
+def accelerator_switch(setting: str, script_value: Any) -> Any:
+    """``mixed_precision=args.mixed_precision``: the script's value where its switch is on; where it is off
+    (None, "no"), the knob's, unless ``accelerate launch`` chose one for this run (None defers to it)."""
+    value = knob(f"accelerator.{setting}", record=False)
+    if script_value not in OFF or value == "default" or (script_value is None and os.environ.get("ACCELERATE_MIXED_PRECISION")):
+        return script_value
+    took_effect(f"accelerator.{setting}")
+    return value

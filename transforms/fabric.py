@@ -43,7 +43,8 @@ class Fabric(Transform):
             if not self.project.trains:
                 self.report(facts, call, Status.NOT_APPLICABLE, self.project.no_loop_reason())
                 continue
-            keyword_settings(self, facts, call, edits, FABRIC_SETTINGS, "fabric_args", "Fabric", _on, self._baked)
+            keyword_settings(self, facts, call, edits, FABRIC_SETTINGS, "fabric_args", "Fabric", _on, self._baked,
+                             {"precision": ("fabric_switch", FABRIC_OFF)})
 
     def _baked(self, settings: list[str]) -> dict[str, str]:
         value = self.mode.value(self.knob("precision"))
@@ -62,6 +63,7 @@ from typing import Any
 from autotune.knob_values import knob, took_effect
 
 FABRIC_SETTINGS = {"precision": ("precision",)}
+FABRIC_OFF = (None, "32-true", "32", 32)  # the script's own precision switch is off: full precision
 
 
 def fabric_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -72,3 +74,13 @@ def fabric_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
         return {}
     took_effect("fabric.precision")
     return {"precision": value}
+
+
+def fabric_switch(setting: str, script_value: Any) -> Any:
+    """``precision=args.precision``: the script's value where its switch is on; where it is full precision, the
+    knob's, unless ``fabric run --precision`` chose one for this run (None defers to it)."""
+    value = knob(f"fabric.{setting}", record=False)
+    if script_value not in FABRIC_OFF or value == "default" or (script_value is None and os.environ.get("LT_PRECISION")):
+        return script_value
+    took_effect(f"fabric.{setting}")
+    return value

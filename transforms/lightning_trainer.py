@@ -56,7 +56,7 @@ class LightningTrainer(Transform):
                 self.report(facts, call, Status.NOT_APPLICABLE, why)
                 continue
             keyword_settings(self, facts, call, edits, LIGHTNING_SETTINGS, "lightning_trainer_args", "Trainer", _on,
-                             self._baked)
+                             self._baked, {"precision": ("lightning_trainer_switch", LIGHTNING_OFF)})
 
     def _baked(self, settings: list[str]) -> dict[str, str]:
         values = lightning_settings({s: self.mode.value(self.knob(s)) for s in settings})
@@ -78,6 +78,7 @@ from autotune.knob_values import default, knob, took_effect
 
 # each knob's setting -> the Trainer keywords that decide it (a script that writes one keeps its choice)
 LIGHTNING_SETTINGS = {"precision": ("precision",), "benchmark": ("benchmark",)}
+LIGHTNING_OFF = (None, "32-true", "32", 32)  # the script's own precision switch is off: full precision
 
 
 def lightning_settings(values: dict[str, Any]) -> dict[str, Any]:
@@ -108,3 +109,10 @@ def lightning_trainer_resolved(trainer: Any) -> None:
 
         if torch.backends.cudnn.benchmark:
             took_effect("lightning_trainer.benchmark")
+
+
+def lightning_trainer_switch(setting: str, script_value: Any) -> Any:
+    """``precision=args.precision``: the script's value where its switch is on; where it is full precision, the
+    knob's (which the trial reads back from the Trainer, as for a precision the script leaves out)."""
+    value = knob(f"lightning_trainer.{setting}", record=False)
+    return script_value if script_value not in LIGHTNING_OFF or value == "default" else value
