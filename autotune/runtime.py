@@ -215,10 +215,16 @@ _WRITES = frozenset({"open", "os.mkdir", "os.remove", "os.rmdir", "os.rename", "
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
+# environment variables naming caches that libraries share between runs, with their own locking
+SHARED_CACHES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE",
+                 "TORCH_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
 def _keep_user_files(mirror: str, real: str, own: str) -> None:
     """Under a trial, run in a mirror of the user's working directory made of links to its entries: a write
     through a link first turns that link into the trial's own file or folder, so the user's files are only ever
-    read; overwriting or deleting one of the user's files by its absolute path is refused (a new file may be made).
+    read; overwriting or deleting one of the user's files by its absolute path is refused (a new file may be made),
+    except lock files (``*.lock``, which hold nothing) and files under a shared cache (``SHARED_CACHES``).
 
     An audit hook, so that every way Python opens or moves a file is covered (open, os.open, numpy, tarfile);
     torch.save writes from C++ by name, so it is wrapped once torch is imported.
@@ -228,6 +234,9 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
 
     inside = threading.local()
     sep = os.sep
+    # caches the script's libraries share between runs (a datasets cache under HF_HOME inside the working directory):
+    # their files are written and locked by every run as the libraries see fit, a trial's as much as the user's own
+    caches = [os.path.abspath(os.path.expanduser(os.environ[v])) for v in SHARED_CACHES if os.environ.get(v)]
 
     def under(path: str, folder: str) -> bool:
         return path == folder or path.startswith(folder + sep)
@@ -262,7 +271,8 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
                 own_copy(path if final else os.path.join(path, "x"), contents and final)  # "x": the folders only
             finally:
                 inside.busy = False
-        elif under(path, real) and not under(path, own) and os.path.lexists(path) and (final or not made):
+        elif (under(path, real) and not under(path, own) and os.path.lexists(path) and (final or not made)
+              and not path.endswith(".lock") and not any(under(path, cache) for cache in caches)):
             raise PermissionError(f"autotune: a trial does not overwrite or delete your files ({path}): use a path "
                                   "relative to the working directory, which a trial sees as a folder of its own")
 

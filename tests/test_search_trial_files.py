@@ -84,3 +84,42 @@ def test_a_trial_may_not_overwrite_the_users_files_by_their_absolute_path(tmp_pa
     result = _trial(tmp_path, body, tmp_path / "user" / "run")
     assert result.status is Outcome.CRASH and "a trial does not overwrite or delete your files" in result.stderr_tail
     assert {p: p.read_bytes().decode(errors="replace") for p in files} == files
+
+
+# a datasets cache under HF_HOME inside the working directory, as the Hugging Face libraries use it: its lock file
+# opened for writing and removed, an entry written again; and a lock file the script keeps beside its data
+CACHE_USER = '''
+import os
+
+import torch
+
+cache = os.path.join(os.environ["HF_HOME"], "datasets")
+with open(os.path.join(cache, "entry.lock"), "w"):
+    pass
+os.remove(os.path.join(cache, "entry.lock"))
+with open(os.path.join(cache, "entry.arrow"), "wb") as f:
+    f.write(b"CACHED")
+with open(os.path.join(os.environ["DATA"], "input.lock"), "w"):
+    pass
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(8):
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+def test_a_trial_uses_the_libraries_shared_cache_and_lock_files_in_the_users_folder(tmp_path, monkeypatch):
+    files = _user_folder(tmp_path / "user")
+    cache = tmp_path / "user" / "run" / "hf_home" / "datasets"
+    cache.mkdir(parents=True)
+    (cache / "entry.lock").write_text("")
+    (cache / "entry.arrow").write_text("CACHED")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "user" / "run" / "hf_home"))
+    monkeypatch.setenv("DATA", str(tmp_path / "user" / "run" / "data"))
+    result = _trial(tmp_path, CACHE_USER, tmp_path / "user" / "run")
+    assert result.status is Outcome.OK, result.stderr_tail
+    assert {p: p.read_bytes().decode(errors="replace") for p in files} == files  # the user's other files as they were
+    assert (cache / "entry.arrow").read_text() == "CACHED"
