@@ -450,8 +450,9 @@ def framework_trial(trainer: Any) -> None:
     a trial. In a trial, the framework's own hooks hand each micro-step's loss and each optimizer step's end to the
     trial, as ``accumulate`` and ``step`` do in a loop of the script's own, and the knobs its resolved settings
     hold are recorded as applied."""
-    if _trial is None:
-        return
+    if _trial is None or getattr(trainer, "_autotune_trial", False):
+        return  # a trainer trained again (resumed) keeps the hooks it has
+    trainer._autotune_trial = True
     names = {f"{c.__module__}.{c.__qualname__}" for c in type(trainer).__mro__}
     if "transformers.trainer.Trainer" in names:
         _hf_trial(trainer)
