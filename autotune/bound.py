@@ -100,6 +100,10 @@ def binds(stmt: cst.CSTNode, name: str) -> bool:
         return any(_small_binds(s, name) for s in stmt.body)
     if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
         return stmt.name.value == name
+    if isinstance(stmt, (cst.If, cst.While)) and name in _sure_reads(stmt.test):
+        return True  # the test read it (and raised NameError had it been unbound)
+    if isinstance(stmt, cst.For) and name in _sure_reads(stmt.iter):
+        return True
     if isinstance(stmt, cst.If):
         if _is_main_guard(stmt.test):  # a script's main path: autotune runs the script as __main__
             return _binds_block(stmt.body, name)
@@ -133,6 +137,10 @@ def _binds_seq(stmts: list, name: str) -> bool:
 def _small_binds(small: cst.BaseSmallStatement, name: str) -> bool:
     if isinstance(small, _NO_FALLTHROUGH):
         return True  # the code after it is not reached this way
+    read = {cst.Expr: "value", cst.Assign: "value", cst.AugAssign: "value", cst.AnnAssign: "value", cst.Assert: "test"}
+    value = getattr(small, read[type(small)], None) if type(small) in read else None
+    if value is not None and name in _sure_reads(value):
+        return True  # it read the name and went on: had the name been unbound, it would have raised NameError
     if isinstance(small, cst.Assign):
         return any(_target_binds(t.target, name) for t in small.targets)
     if isinstance(small, cst.AnnAssign):
@@ -233,6 +241,35 @@ def _table(facts: ModuleFacts, fn: cst.FunctionDef) -> symtable.SymbolTable | No
             stack.extend(t.get_children())
     line = facts.position(fn)[0]
     return tables.get((fn.name.value, line))
+
+
+def _sure_reads(node: cst.CSTNode) -> Iterator[str]:
+    """The variables an expression reads whenever it is evaluated to its end: not those read only on some paths
+    (the right of ``and``/``or``, an ``if``-expression's branches, later comparisons of a chain) or later (a lambda's
+    body, a comprehension's)."""
+    if isinstance(node, cst.Name):
+        yield node.value
+    elif isinstance(node, (cst.Attribute, cst.Await, cst.StarredElement, cst.Arg, cst.Element, cst.UnaryOperation)):
+        yield from _sure_reads(node.value if not isinstance(node, cst.UnaryOperation) else node.expression)
+    elif isinstance(node, cst.Subscript):
+        yield from _sure_reads(node.value)
+    elif isinstance(node, cst.Call):
+        yield from _sure_reads(node.func)
+        for arg in node.args:
+            yield from _sure_reads(arg.value)
+    elif isinstance(node, cst.BinaryOperation):
+        yield from _sure_reads(node.left)
+        yield from _sure_reads(node.right)
+    elif isinstance(node, cst.BooleanOperation):
+        yield from _sure_reads(node.left)
+    elif isinstance(node, cst.Comparison):
+        yield from _sure_reads(node.left)
+        yield from _sure_reads(node.comparisons[0].comparator)
+    elif isinstance(node, cst.IfExp):
+        yield from _sure_reads(node.test)
+    elif isinstance(node, (cst.Tuple, cst.List, cst.Set)):
+        for element in node.elements:
+            yield from _sure_reads(element.value)
 
 
 def _reads(node: cst.CSTNode) -> Iterator[str]:

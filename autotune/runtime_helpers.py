@@ -365,15 +365,16 @@ def _compile_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-def compile_model(model: Any, blocks: Any = ()) -> Any:
-    """Compile ``model`` in place as the knobs ask: nothing by default.
+def compile_model(model: Any, blocks: Any = (), switch: Any = False) -> Any:
+    """Compile ``model`` in place as the knobs ask: nothing by default, nor where the script's own ``switch`` is on
+    (it compiled the model itself).
 
     Module.compile() compiles in place, so ``model`` stays the same object and its state_dict keys never gain
     the ``_orig_mod.`` prefix that ``model = torch.compile(model)`` adds. With ``compile.scope: blocks`` each
     module of the containers at the attribute paths ``blocks`` (``["transformer.h"]``) is compiled instead;
     without such containers the whole model is.
     """
-    if knob("compile.mode", record=False) == "none" or getattr(model, "_autotune_compiled", False):
+    if switch or knob("compile.mode", record=False) == "none" or getattr(model, "_autotune_compiled", False):
         return model
     import torch._inductor.config
 

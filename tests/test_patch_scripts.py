@@ -84,9 +84,11 @@ def test_knob_table_lists_injected_knobs(script: Path, patched):
         assert spec["value"] == spec["default"] and spec["default"] in spec["choices"], name
 
 
-def test_already_optimized_script_is_left_alone():
+def test_already_optimized_script_is_left_alone_but_for_its_own_compile_switch():
     result = run(load_project(REPO / "fixtures/scripts/already_optimized.py"))
-    assert not result.changed, result.diff()
+    # `if args.compile: model.compile()`, off by default: the switch is the one knob (issue 21.3)
+    assert {k.name.split(".")[0] for k in result.knobs} == {"compile"}, result.diff()
+    assert [s.transform for s in result.sites if s.status is Status.APPLICABLE] == ["compile"]
 
 
 def test_step_hook_lands_in_the_loop_file_when_only_the_model_file_changes():

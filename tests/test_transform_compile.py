@@ -173,3 +173,18 @@ def test_checkpoints_round_trip_through_the_compiled_project(tmp_path):
     assert got == pytest.approx(want, rel=1e-4)
     assert trial["compile_s"] > 0
     assert trial["warmup_s"] >= trial["compile_s"] - (trial["window_compile_s"] or 0)
+
+
+def test_the_scripts_own_compile_switch_is_the_knob_where_it_is_off():
+    (site,) = _sites("switch")
+    assert site.status is Status.APPLICABLE and "the script's own switch" in site.reason
+    assert "_autotune.compile_model(model, switch=args.compile)" in (CASES / "switch.out.py").read_text()
+    assert "if not args.compile:\n    model.compile()" in (CASES / "switch.bake.py").read_text()
+
+
+@pytest.mark.parametrize("switch, compiled", [(False, True), (True, False)])
+def test_compile_model_leaves_a_model_the_scripts_switch_compiled(switch, compiled, knobs):
+    knobs(mode="default")
+    model = torch.nn.Linear(4, 2)
+    runtime.compile_model(model, switch=switch)
+    assert _compiled(model) is compiled  # Module.compile is lazy: nothing is compiled until the first call

@@ -31,6 +31,7 @@ class _Target:
     cls: ClassRef | str | None
     blocks: tuple[str, ...]
     report_at: cst.CSTNode
+    switch: str | None = None  # the script's own compile switch (``compile``, ``args.compile``): compiled where off
 
 
 class Compile(Transform):
@@ -72,12 +73,19 @@ class Compile(Transform):
                 self.report(facts, node[1], Status.PRESENT, reason)
         if present:
             return
-        targets = self._targets
+        switches = self._switches
+        targets = switches or self._targets
         eager_rng_set = False
         for target in targets:
             if target.facts is not facts:
                 continue
-            self.report(facts, target.report_at, Status.APPLICABLE, self._reason(target))
+            if target.switch is not None:
+                self.report(facts, target.report_at, Status.APPLICABLE, (
+                    f"if {target.switch}: {facts.code(target.report_at)}: the script's own switch (present, switched "
+                    f"off where {target.switch} is false), which the compile knobs turn on there: "
+                    f"{target.code}.compile() in place, state_dict keys unchanged"))
+            else:
+                self.report(facts, target.report_at, Status.APPLICABLE, self._reason(target))
             if self.mode.gated:
                 code = self._gated_call(edits, target)
                 new = [stmt(code)]
@@ -110,13 +118,41 @@ class Compile(Transform):
     # --- what is there -----------------------------------------------------------------------------------
 
     @cached_property
+    def _switches(self) -> list[_Target]:
+        """``if compile: model = torch.compile(model)`` (or ``model.compile()``): the script's own switch, with the
+        model a name. Where it is off, the knobs compile that model in place right after the ``if``."""
+        out = []
+        for facts in self.project.modules:
+            for call in facts.calls:
+                model = self._compiled_model(facts, call)
+                switch = _switch_of(facts, call) if model is not None else None
+                if switch is not None:
+                    out.append(_Target(facts, switch, True, model, None, (), call, facts.code(switch.test)))
+        return out
+
+    def _compiled_model(self, facts: ModuleFacts, call: cst.Call) -> str | None:
+        """``model`` of ``torch.compile(model)`` or ``model.compile()``, where ``model`` is a name."""
+        func = call.func
+        if facts.qualname(func) == "torch.compile" and call.args and call.args[0].keyword is None:
+            arg = call.args[0].value
+        elif isinstance(func, cst.Attribute) and func.attr.value == "compile" and not call.args:
+            arg = func.value
+        else:
+            return None
+        return arg.value if isinstance(arg, cst.Name) else None
+
+    @cached_property
     def _present(self) -> list[tuple[tuple[ModuleFacts, cst.CSTNode], str]]:
-        """torch.compile, Module.compile or autotune's compile_model already in the project."""
+        """torch.compile, Module.compile or autotune's compile_model already in the project (a script's own switch
+        around one is not: see ``_switches``)."""
         out = []
         models = {t.code for t in self._targets}
+        switched = {t.report_at for t in self._switches}
         for facts in self.project.modules:
             for call in facts.calls:
                 func = call.func
+                if call in switched:
+                    continue
                 if facts.is_runtime_call(call, "compile_model"):
                     out.append(((facts, call), "the model is already compiled behind the compile knobs"))
                 elif facts.is_runtime_call(call, "compile_step_begin"):
@@ -200,6 +236,8 @@ class Compile(Transform):
 
     def _gated_call(self, edits: Edits, target: _Target) -> str:
         helper = edits.runtime("compile_model")
+        if target.switch is not None:
+            return f"{helper}({target.code}, switch={target.switch})\n"
         if target.blocks:
             paths = ", ".join(f'"{p}"' for p in target.blocks)
             return f"{helper}({target.code}, blocks=[{paths}])\n"
@@ -218,7 +256,24 @@ class Compile(Transform):
             scope = facts.function_of(target.anchor) or facts.module
             var = unique_name(facts, scope, "block", "layer")
             return [stmt(f"for {var} in {target.code}.{path}:\n    {var}.compile({args})\n") for path in target.blocks]
+        if target.switch is not None:  # where the script's own switch is off
+            return [stmt(f"if not {target.switch}:\n    {target.code}.compile({args})\n")]
         return [stmt(f"{target.code}.compile({args})\n")]
+
+
+def _switch_of(facts: ModuleFacts, call: cst.Call) -> cst.If | None:
+    """The ``if <switch>:`` whose body holds ``call``'s statement, where the switch is a name or an attribute
+    (``compile``, ``args.compile``, ``config.compile``) and the ``if`` has no ``else``."""
+    at = facts.statement_of(call)
+    for node in facts.ancestors(at):
+        if isinstance(node, cst.If):
+            body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
+            if at in body and node.orelse is None and isinstance(node.test, (cst.Name, cst.Attribute)):
+                return node
+            return None
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.For, cst.While, cst.With, cst.Try)):
+            return None
+    return None
 
 
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
@@ -244,15 +299,16 @@ def _compile_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-def compile_model(model: Any, blocks: Any = ()) -> Any:
-    """Compile ``model`` in place as the knobs ask: nothing by default.
+def compile_model(model: Any, blocks: Any = (), switch: Any = False) -> Any:
+    """Compile ``model`` in place as the knobs ask: nothing by default, nor where the script's own ``switch`` is on
+    (it compiled the model itself).
 
     Module.compile() compiles in place, so ``model`` stays the same object and its state_dict keys never gain
     the ``_orig_mod.`` prefix that ``model = torch.compile(model)`` adds. With ``compile.scope: blocks`` each
     module of the containers at the attribute paths ``blocks`` (``["transformer.h"]``) is compiled instead;
     without such containers the whole model is.
     """
-    if knob("compile.mode", record=False) == "none" or getattr(model, "_autotune_compiled", False):
+    if switch or knob("compile.mode", record=False) == "none" or getattr(model, "_autotune_compiled", False):
         return model
     import torch._inductor.config
 
