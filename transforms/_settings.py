@@ -12,6 +12,15 @@ from autotune.transform import Edits, Status, Transform
 from autotune.syntax import add_args, expr, kwarg, star_kwargs
 
 
+# Lightning's precisions (Trainer and Fabric alike) that already compute in reduced precision: the script's choice
+LIGHTNING_REDUCED = frozenset({"bf16-mixed", "16-mixed", "bf16", "16", "bf16-true", "16-true", "transformer-engine"})
+
+
+def lightning_precision_on(value: cst.BaseExpression) -> bool:
+    """Whether a Lightning ``precision=`` value the script writes already computes in reduced precision."""
+    return string_value(value) in LIGHTNING_REDUCED or (isinstance(value, cst.Integer) and value.value == "16")
+
+
 def string_value(node: cst.BaseExpression) -> str | None:
     value = node.evaluated_value if isinstance(node, cst.SimpleString) else None
     return value if isinstance(value, str) else None

@@ -7,7 +7,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.transforms._settings import code_of, keyword_settings, string_value
+from autotune.transforms._settings import code_of, keyword_settings, lightning_precision_on
 
 FABRICS = {
     "lightning.Fabric",
@@ -16,7 +16,6 @@ FABRICS = {
     "lightning_fabric.Fabric",
     "lightning_fabric.fabric.Fabric",
 }
-REDUCED = {"bf16-mixed", "16-mixed", "bf16", "16", "bf16-true", "16-true", "transformer-engine"}
 
 
 class Fabric(Transform):
@@ -52,7 +51,7 @@ class Fabric(Transform):
 
 
 def _on(keyword: str, value: cst.BaseExpression) -> bool:
-    return string_value(value) in REDUCED or (isinstance(value, cst.Integer) and value.value == "16")
+    return lightning_precision_on(value)
 
 
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===

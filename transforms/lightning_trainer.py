@@ -8,7 +8,7 @@ from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import is_literal
-from autotune.transforms._settings import code_of, keyword_settings, string_value
+from autotune.transforms._settings import code_of, keyword_settings, lightning_precision_on
 
 TRAINERS = {
     "lightning.Trainer",
@@ -17,8 +17,6 @@ TRAINERS = {
     "pytorch_lightning.Trainer",
     "pytorch_lightning.trainer.trainer.Trainer",
 }
-# precisions that already compute in reduced precision (the script's choice, reported present)
-REDUCED = {"bf16-mixed", "16-mixed", "bf16", "16", "bf16-true", "16-true", "transformer-engine", "16"}
 
 
 class LightningTrainer(Transform):
@@ -65,8 +63,7 @@ class LightningTrainer(Transform):
 
 def _on(keyword: str, value: cst.BaseExpression) -> bool:
     if keyword == "precision":
-        text = string_value(value)
-        return text in REDUCED or (isinstance(value, cst.Integer) and value.value == "16")
+        return lightning_precision_on(value)
     return is_literal(value, True)
 
 
