@@ -10,6 +10,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import add_args, expr, kwarg, star_kwargs
+from autotune.transforms._dist import literal_string
 
 
 # Lightning's precisions (Trainer and Fabric alike) that already compute in reduced precision: the script's choice
@@ -18,12 +19,7 @@ LIGHTNING_REDUCED = frozenset({"bf16-mixed", "16-mixed", "bf16", "16", "bf16-tru
 
 def lightning_precision_on(value: cst.BaseExpression) -> bool:
     """Whether a Lightning ``precision=`` value the script writes already computes in reduced precision."""
-    return string_value(value) in LIGHTNING_REDUCED or (isinstance(value, cst.Integer) and value.value == "16")
-
-
-def string_value(node: cst.BaseExpression) -> str | None:
-    value = node.evaluated_value if isinstance(node, cst.SimpleString) else None
-    return value if isinstance(value, str) else None
+    return literal_string(value) in LIGHTNING_REDUCED or (isinstance(value, cst.Integer) and value.value == "16")
 
 
 def keyword_settings(

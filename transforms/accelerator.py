@@ -7,7 +7,8 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.transforms._settings import code_of, keyword_settings, string_value
+from autotune.transforms._dist import literal_string
+from autotune.transforms._settings import code_of, keyword_settings
 
 ACCELERATORS = {"accelerate.Accelerator", "accelerate.accelerator.Accelerator"}
 
@@ -44,7 +45,7 @@ class Accelerator(Transform):
 
 
 def _on(keyword: str, value: cst.BaseExpression) -> bool:
-    return string_value(value) in ("bf16", "fp16", "fp8")
+    return literal_string(value) in ("bf16", "fp16", "fp8")
 
 
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===

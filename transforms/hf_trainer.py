@@ -8,7 +8,8 @@ from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import is_literal, stmt
-from autotune.transforms._settings import code_of, keyword_settings, string_value
+from autotune.transforms._dist import literal_string
+from autotune.transforms._settings import code_of, keyword_settings
 
 # TrainingArguments and the subclasses libraries ship (a local subclass of any of them counts too)
 ARGUMENT_CLASSES = {
@@ -133,7 +134,7 @@ def _on(keyword: str, value: cst.BaseExpression) -> bool:
     """Whether the script's ``keyword=value`` turns the fast path on: True, the fused optimizer, or a compile mode or
     backend (which turn compilation on: TrainingArguments.__post_init__)."""
     if keyword == "optim":
-        return string_value(value) == FUSED
+        return literal_string(value) == FUSED
     return is_literal(value, True) or (keyword.startswith("torch_compile_") and isinstance(value, cst.SimpleString))
 
 

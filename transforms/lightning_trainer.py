@@ -44,11 +44,10 @@ class LightningTrainer(Transform):
     )
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        trains = any(f.framework == "the Lightning Trainer" for f in self.project.tuned_frameworks())
         for call in facts.calls:
             if not self.project.derives(facts, call.func, TRAINERS):
                 continue
-            trains = any(f.framework == "the Lightning Trainer" and f in self.project.tuned_frameworks()
-                         for f in self.project.frameworks)
             if not trains and not any(facts.is_runtime_call(a.value, "lightning_trainer_args") for a in call.args):
                 why = self.project.no_loop_reason() if not self.project.trains else "this Trainer's fit() is not timed"
                 self.report(facts, call, Status.NOT_APPLICABLE, why)
