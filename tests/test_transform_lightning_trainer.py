@@ -77,3 +77,34 @@ def test_the_precision_counts_as_applied_where_the_trainer_resolved_it(precision
                     warmup=1, steps=1)
     assert result["status"] == "ok", result["error"]
     assert result["applied"] == applied
+
+
+def test_the_lightningmodule_fit_trains_is_compiled_in_place_and_its_checkpoint_keeps_its_keys(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    script = _patched_script(tmp_path)
+    assert "    model = Classifier()\n    _autotune.compile_model(model)\n" in script.read_text()
+    result = trial(script, ARGS, tmp_path, knobs={"compile.mode": "default"}, warmup=1, steps=2)
+    assert result["status"] == "ok", result["error"]
+    assert "compile.mode" in result["applied"]
+    # outside trials: the checkpoint Lightning saves after fit() has the module's own keys, no "_orig_mod."
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import runpy, sys, torch\nimport lightning as L\nfit = L.Trainer.fit\n"
+        "def saving_fit(self, model, *a, **k):\n"
+        "    fit(self, model, *a, **k)\n"
+        "    self.save_checkpoint('last.ckpt')\n"
+        "    keys = sorted(torch.load('last.ckpt', weights_only=False)['state_dict'])\n"
+        "    print('KEYS', keys, getattr(model, '_compiled_call_impl', None) is not None)\n"
+        f"L.Trainer.fit = saving_fit\nsys.argv = [{str(script)!r}, '--max-steps', '2']\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    config = tmp_path / "compile.yaml"
+    config.write_text(yaml.safe_dump({"device": "cpu", "knobs": {"compile.mode": "default"}}))
+    proc = subprocess.run([sys.executable, str(probe)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "AUTOTUNE_CONFIG": str(config)})
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("KEYS")), None)
+    assert line == "KEYS ['net.0.bias', 'net.0.weight', 'net.2.bias', 'net.2.weight'] True", proc.stderr[-2000:]

@@ -359,7 +359,17 @@ def block_paths(project: Project, model, depth: int = 0) -> list[str]:
 
 # --- the models the training runs --------------------------------------------------------------------------
 
-_MODULE_BASES = ("torch.nn.Module", "torch.nn.modules.module.Module")
+_MODULE_BASES = (
+    "torch.nn.Module",
+    "torch.nn.modules.module.Module",
+    "lightning.LightningModule",
+    "lightning.pytorch.LightningModule",
+    "lightning.pytorch.core.LightningModule",
+    "lightning.pytorch.core.module.LightningModule",
+    "pytorch_lightning.LightningModule",
+    "pytorch_lightning.core.LightningModule",
+    "pytorch_lightning.core.module.LightningModule",
+)
 # DataParallel: a convenience wrapper that replicates the model at every forward, so whatever reaches the wrapper
 # (``.apply(init)``, ``.to(memory_format=...)``) reaches the model; the script's own initialisation may follow it.
 DATA_PARALLEL = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
@@ -441,6 +451,12 @@ class Training:
             for call in facts.calls_in(loop.node):
                 if isinstance(call.func, cst.Name) and self.builds_module(facts, scope, call.func):
                     yield scope, call.func.value, call
+        for fit in project.tuned_frameworks():  # ``trainer.fit(model, ...)``: the LightningModule it trains
+            if fit.module is facts and fit.framework == "the Lightning Trainer":
+                arg = argument(fit.call, 0, "model")
+                scope = scope_of(facts, fit.call)
+                if isinstance(arg, cst.Name) and self.builds_module(facts, scope, arg):
+                    yield scope, arg.value, fit.call
         for call in facts.calls:
             target = self.callee(facts, call)
             if target is None or target not in trainers:
