@@ -26,6 +26,7 @@ __all__ = [
     'OFF',
     'PREFETCH_MEMBER',
     'VARIABLES',
+    'WITH_WORKERS',
     'accelerator_args',
     'accelerator_switch',
     'allocator_env',
@@ -598,7 +599,13 @@ HF_SETTINGS = {
     "torch_compile": ("torch_compile", "torch_compile_mode", "torch_compile_backend"),
     "optim": ("optim",),
     "dataloader_num_workers": ("dataloader_num_workers",),
+    "dataloader_prefetch_factor": ("dataloader_prefetch_factor",),
+    "dataloader_persistent_workers": ("dataloader_persistent_workers",),
+    "gradient_checkpointing": ("gradient_checkpointing",),
 }
+# settings that need the knob's loader workers: TrainingArguments refuses a prefetch factor without workers, and
+# DataLoader persistent workers (a script's own worker count is not known where the arguments are built)
+WITH_WORKERS = ("dataloader_prefetch_factor", "dataloader_persistent_workers")
 FUSED = "adamw_torch_fused"
 
 
@@ -614,7 +621,9 @@ def hf_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, 
             out[setting] = True
         elif setting == "optim" and value != "default" and value != default_optim:
             out["optim"] = value
-        elif setting == "dataloader_num_workers" and value:
+        elif setting in ("dataloader_num_workers", "gradient_checkpointing") and value:
+            out[setting] = value
+        elif setting in WITH_WORKERS and value != default(f"hf_trainer.{setting}") and values.get("dataloader_num_workers"):
             out[setting] = value
     return out
 
@@ -682,6 +691,12 @@ def hf_trainer_resolved(args: Any) -> None:
     workers = knob("hf_trainer.dataloader_num_workers", record=False)
     if workers and getattr(args, "dataloader_num_workers", None) == workers:
         took_effect("hf_trainer.dataloader_num_workers")
+        for setting in WITH_WORKERS:
+            value = knob(f"hf_trainer.{setting}", record=False)
+            if value != default(f"hf_trainer.{setting}") and getattr(args, setting, None) == value:
+                took_effect(f"hf_trainer.{setting}")
+    if knob("hf_trainer.gradient_checkpointing", record=False) and getattr(args, "gradient_checkpointing", None) is True:
+        took_effect("hf_trainer.gradient_checkpointing")
 
 
 # --- lightning_trainer (transforms/lightning_trainer.py) ------------------------------------------

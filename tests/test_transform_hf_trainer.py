@@ -37,7 +37,8 @@ def _patched_script(tmp_path: Path, name: str) -> Path:
 def test_settings_the_script_leaves_out_become_knobs_where_it_builds_training_arguments():
     (site,) = sites("hf_trainer", "plain")
     assert site.status is Status.APPLICABLE
-    assert "precision, tf32, torch_compile, optim, dataloader_num_workers become knobs" in site.reason
+    assert ("precision, tf32, torch_compile, optim, dataloader_num_workers, dataloader_prefetch_factor, "
+            "dataloader_persistent_workers, gradient_checkpointing become knobs") in site.reason
 
 
 def test_a_parsed_trainers_knobs_are_the_parsers_defaults_and_the_command_line_wins():
@@ -63,7 +64,8 @@ def test_settings_the_script_writes_are_its_choice(tmp_path):
         (Status.PRESENT, "the script sets bf16=True"),
         (Status.PRESENT, "the script sets torch_compile_mode='max-autotune'"),
         (Status.USER, "the script sets optim='adamw_torch': its choice is kept"),
-        (Status.APPLICABLE, "TrainingArguments: tf32, dataloader_num_workers become knobs"),
+        (Status.APPLICABLE, "TrainingArguments: tf32, dataloader_num_workers, dataloader_prefetch_factor, "
+                            "dataloader_persistent_workers, gradient_checkpointing become knobs"),
     ]
     text = run(load_project(tmp_path / "train.py"), select(["hf_trainer"]), hooks=False).files[0].new_text
     assert '**_autotune.hf_trainer_args(script_sets=("precision", "torch_compile", "optim"))' in text
@@ -102,6 +104,19 @@ def test_a_local_subclass_of_training_arguments_and_a_parser_of_the_scripts_own_
     ))
     assert [s.status for s in found] == [Status.APPLICABLE]
     assert found[0].line == 11
+
+
+def test_the_loader_settings_that_need_workers_are_set_only_with_the_knobs_workers():
+    from autotune.runtime_helpers import hf_settings
+
+    with_workers = {"dataloader_num_workers": 2, "dataloader_prefetch_factor": 4, "dataloader_persistent_workers": True}
+    assert hf_settings(with_workers, default_optim=None) == with_workers
+    # TrainingArguments refuses a prefetch factor without workers, DataLoader persistent workers without them; the
+    # script's own worker count is not known where the arguments are built
+    assert hf_settings({**with_workers, "dataloader_num_workers": 0}, default_optim=None) == {}
+    assert hf_settings({"dataloader_prefetch_factor": 4}, default_optim=None) == {}
+    assert hf_settings({"dataloader_num_workers": 2, "dataloader_prefetch_factor": 2, "gradient_checkpointing": True},
+                       default_optim=None) == {"dataloader_num_workers": 2, "gradient_checkpointing": True}
 
 
 def test_patch_is_idempotent_on_the_whole_script(tmp_path):
@@ -150,12 +165,13 @@ def _installed_optim() -> str:
 
 def test_each_knob_reaches_the_setting_the_trainer_resolves(tmp_path):
     knobs = {"hf_trainer.precision": "bf16", "hf_trainer.dataloader_num_workers": 2,
-             "hf_trainer.optim": "adamw_torch_fused"}
+             "hf_trainer.optim": "adamw_torch_fused", "hf_trainer.dataloader_prefetch_factor": 4,
+             "hf_trainer.dataloader_persistent_workers": True, "hf_trainer.gradient_checkpointing": True}
     result = trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
     assert result["status"] == "ok", result["error"]
     # read back from the Trainer's own TrainingArguments; optim counts only where it is not already the default
     fused_default = _installed_optim() == "adamw_torch_fused"
-    expected = ["hf_trainer.precision", "hf_trainer.dataloader_num_workers"] + ([] if fused_default else ["hf_trainer.optim"])
+    expected = [k for k in knobs if k != "hf_trainer.optim" or not fused_default]
     assert sorted(result["applied"]) == sorted(expected)
 
 

@@ -24,7 +24,8 @@ PARSERS = {"transformers.HfArgumentParser", "transformers.hf_argparser.HfArgumen
 
 
 class HfTrainer(Transform):
-    """Mixed precision, TF32, torch.compile, the fused optimizer and loader workers as the Hugging Face Trainer's own settings."""
+    """Mixed precision, TF32, torch.compile, the fused optimizer, the loader's workers and gradient checkpointing as the
+    Hugging Face Trainer's own settings."""
 
     name = "hf_trainer"
     tracks_settings = True
@@ -66,6 +67,32 @@ class HfTrainer(Transform):
             0,
             Numerics.EXACT,
             help="TrainingArguments dataloader_num_workers: worker processes that load batches",
+        ),
+        Knob(
+            "hf_trainer.dataloader_prefetch_factor",
+            (2, 4, 8),
+            2,
+            Numerics.EXACT,
+            help="TrainingArguments dataloader_prefetch_factor: batches each worker loads ahead (only with the "
+            "dataloader_num_workers knob's workers; 2 is DataLoader's own default)",
+        ),
+        Knob(
+            "hf_trainer.dataloader_persistent_workers",
+            (False, True),
+            False,
+            Numerics.EXACT,
+            help="TrainingArguments dataloader_persistent_workers: keep the workers alive between epochs (only with "
+            "the dataloader_num_workers knob's workers); the loader then draws its seed once, not once per epoch, so "
+            "from the second epoch on the shuffle differs: not searched by default",
+        ),
+        Knob(
+            "hf_trainer.gradient_checkpointing",
+            (False, True),
+            False,
+            Numerics.EXACT,
+            help="TrainingArguments gradient_checkpointing: the model recomputes its activations in backward (the "
+            "Trainer calls its gradient_checkpointing_enable; models without support fail the trial); saves memory, "
+            "costs time",
         ),
     )
 
@@ -151,7 +178,13 @@ HF_SETTINGS = {
     "torch_compile": ("torch_compile", "torch_compile_mode", "torch_compile_backend"),
     "optim": ("optim",),
     "dataloader_num_workers": ("dataloader_num_workers",),
+    "dataloader_prefetch_factor": ("dataloader_prefetch_factor",),
+    "dataloader_persistent_workers": ("dataloader_persistent_workers",),
+    "gradient_checkpointing": ("gradient_checkpointing",),
 }
+# settings that need the knob's loader workers: TrainingArguments refuses a prefetch factor without workers, and
+# DataLoader persistent workers (a script's own worker count is not known where the arguments are built)
+WITH_WORKERS = ("dataloader_prefetch_factor", "dataloader_persistent_workers")
 FUSED = "adamw_torch_fused"
 
 
@@ -167,7 +200,9 @@ def hf_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, 
             out[setting] = True
         elif setting == "optim" and value != "default" and value != default_optim:
             out["optim"] = value
-        elif setting == "dataloader_num_workers" and value:
+        elif setting in ("dataloader_num_workers", "gradient_checkpointing") and value:
+            out[setting] = value
+        elif setting in WITH_WORKERS and value != default(f"hf_trainer.{setting}") and values.get("dataloader_num_workers"):
             out[setting] = value
     return out
 
@@ -235,4 +270,10 @@ def hf_trainer_resolved(args: Any) -> None:
     workers = knob("hf_trainer.dataloader_num_workers", record=False)
     if workers and getattr(args, "dataloader_num_workers", None) == workers:
         took_effect("hf_trainer.dataloader_num_workers")
+        for setting in WITH_WORKERS:
+            value = knob(f"hf_trainer.{setting}", record=False)
+            if value != default(f"hf_trainer.{setting}") and getattr(args, setting, None) == value:
+                took_effect(f"hf_trainer.{setting}")
+    if knob("hf_trainer.gradient_checkpointing", record=False) and getattr(args, "gradient_checkpointing", None) is True:
+        took_effect("hf_trainer.gradient_checkpointing")
 
