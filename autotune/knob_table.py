@@ -256,6 +256,15 @@ KNOBS = {knob.name: knob for knob in (
         compiles=False,
     ),
     Knob(
+        'hf_trainer.batch_split',
+        (1, 2, 4, 8, 16),
+        1,
+        Numerics.REORDER,
+        devices=frozenset({'cpu', 'cuda'}),
+        help='per_device_train_batch_size times this, gradient_accumulation_steps divided by it: the same samples in the same order in each optimizer step, in fewer, bigger micro-batches (only where the accumulation steps divide exactly, and not for a model with BatchNorm or dropout, which draw per micro-batch)',
+        compiles=False,
+    ),
+    Knob(
         'hf_trainer.dataloader_num_workers',
         (0, 1, 2, 4),
         0,

@@ -122,8 +122,12 @@ class _Trial:
     def accumulate(self, losses: tuple) -> None:
         self.pending.append(_copies(losses))
 
-    def step(self, losses: tuple, batch: Any) -> None:
+    def step(self, losses: tuple, batch: Any, samples: int | None = None) -> None:
+        """``samples``: how many the optimizer step trained on, where a framework hook counted its micro-batches
+        (else the first dimension of ``batch``, the step's last micro-batch)."""
         self.count += 1
+        if self.batch is None and samples:
+            self.batch = int(samples)
         if losses:
             self.losses.append(_copies(losses))
         elif self.pending:  # the step's loss is the sum of its micro-steps' (each scaled by 1/accumulation, as a rule)
@@ -437,12 +441,12 @@ def accumulate(*losses: Any) -> None:
         _trial.accumulate(losses)
 
 
-def step(*losses: Any, batch: Any = None) -> None:
+def step(*losses: Any, batch: Any = None, samples: int | None = None) -> None:
     """Called by patched scripts after each optimizer step; does nothing outside a trial."""
     if _trial is not None:
         if not _save_checked:
             _wrap_torch_save()  # torch was imported without an import after it (the audit hook's other chance)
-        _trial.step(losses, batch)
+        _trial.step(losses, batch, samples)
 
 
 def framework_trial(trainer: Any) -> None:
@@ -467,17 +471,19 @@ def _hf_trial(trainer: Any) -> None:
 
     hf_trainer_resolved(trainer.args)  # noqa: F405 - the transform's helper: which knobs the settings hold
     own = trainer.training_step
-    batch: list[Any] = []
+    sizes: list[int | None] = []  # each micro-batch's samples in this optimizer step
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
         loss = own(*args, **kwargs)
         accumulate(loss)
-        batch[:] = [_first_tensor(args[1] if len(args) > 1 else kwargs.get("inputs"))]
+        sizes.append(_batch_size(args[1] if len(args) > 1 else kwargs.get("inputs")))
         return loss
 
     class StepEnd(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            step(batch=batch[0] if batch else None)
+            samples = sum(sizes) if sizes and None not in sizes else None
+            sizes.clear()
+            step(samples=samples)
 
     trainer.training_step = training_step
     trainer.add_callback(StepEnd())
@@ -495,6 +501,7 @@ def _lightning_trial(trainer: Any) -> None:
     class StepEnd(Callback):
         def __init__(self) -> None:
             self.steps: int | None = None
+            self.sizes: list[int | None] = []  # each micro-batch's samples in this optimizer step
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             lightning_trainer_resolved(trainer)  # noqa: F405 - the transform's helper
@@ -504,11 +511,21 @@ def _lightning_trial(trainer: Any) -> None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if hasattr(loss, "detach"):
                 accumulate(loss)
+            self.sizes.append(_batch_size(batch))
             if trainer.global_step != self.steps:
                 self.steps = trainer.global_step
-                step(batch=_first_tensor(batch))
+                samples = sum(self.sizes) if None not in self.sizes else None
+                self.sizes = []
+                step(samples=samples)
 
     trainer.callbacks.append(StepEnd())
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The samples in a batch: the first dimension of its first tensor."""
+    first = _first_tensor(batch)
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) > 0 else None
 
 
 def _first_tensor(batch: Any) -> Any:

@@ -15,6 +15,7 @@ from autotune.knob_values import _fail, default, device_type, knob, on_reset, re
 __all__ = [
     'ACCELERATOR_SETTINGS',
     'ALGO',
+    'ATTENTION_DROPOUT',
     'CUDAGRAPH_MODES',
     'FABRIC_OFF',
     'FABRIC_SETTINGS',
@@ -54,6 +55,7 @@ __all__ = [
     'fully_shard_kwargs',
     'gc_pause',
     'gc_resume',
+    'hf_batch_split',
     'hf_settings',
     'hf_trainer_args',
     'hf_trainer_defaults',
@@ -673,6 +675,41 @@ def _given_on_command_line(parser: Any) -> set[str]:
             if any(t == option or t.startswith(option + "=") for t in tokens):
                 given.add(action.dest)
     return given
+
+
+def hf_batch_split(args: Any, model: Any = None) -> None:
+    """Split each optimizer step's samples as ``hf_trainer.batch_split`` asks, in the TrainingArguments ``args``
+    before the Trainer is built: the micro-batch (per_device_train_batch_size) times k, the accumulation steps
+    divided by k. The Trainer's sampler orders the same samples whatever the micro-batch, and it scales each
+    micro-step's loss to the mean over the step, so each step trains on the same samples, to float rounding.
+    Left as it is where k does not divide the accumulation steps, and for a ``model`` whose training draws per
+    micro-batch (see ``_per_micro_batch``)."""
+    k = knob("hf_trainer.batch_split", record=False)
+    if k == 1 or getattr(args, "_autotune_split", False) or args.gradient_accumulation_steps % k:
+        return
+    if model is not None and _per_micro_batch(model):
+        return
+    args.per_device_train_batch_size *= k
+    args.gradient_accumulation_steps //= k
+    args._autotune_split = True  # a plain attribute, not a field: TrainingArguments' own output leaves it out
+    took_effect("hf_trainer.batch_split")
+
+
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def _per_micro_batch(model: Any) -> bool:
+    """Whether ``model`` trains differently on other micro-batches of the same samples: BatchNorm (its statistics
+    are per micro-batch), or dropout (its masks are drawn layer by layer for each micro-batch, so the same sample
+    gets another mask)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+
+    if any(isinstance(m, _BatchNorm) or (isinstance(m, _DropoutNd) and m.p > 0) for m in model.modules()):
+        return True
+    # attention dropout that transformers' models apply functionally (scaled_dot_product_attention's dropout_p)
+    config = getattr(model, "config", None)
+    return any(isinstance(getattr(config, k, None), (int, float)) and getattr(config, k) > 0 for k in ATTENTION_DROPOUT)
 
 
 def hf_trainer_resolved(args: Any) -> None:

@@ -35,14 +35,14 @@ def _patched_script(tmp_path: Path, name: str) -> Path:
 
 
 def test_settings_the_script_leaves_out_become_knobs_where_it_builds_training_arguments():
-    (site,) = sites("hf_trainer", "plain")
+    site, _ = sites("hf_trainer", "plain")
     assert site.status is Status.APPLICABLE
     assert ("precision, tf32, torch_compile, optim, dataloader_num_workers, dataloader_prefetch_factor, "
             "dataloader_persistent_workers, gradient_checkpointing become knobs") in site.reason
 
 
 def test_a_parsed_trainers_knobs_are_the_parsers_defaults_and_the_command_line_wins():
-    (site,) = sites("hf_trainer", "parsed")
+    site, _ = sites("hf_trainer", "parsed")
     assert site.status is Status.APPLICABLE and "a value given on the command line wins" in site.reason
 
 
@@ -51,7 +51,8 @@ def _scan(tmp_path: Path, body: str) -> list:
     script.write_text(
         "from transformers import HfArgumentParser, Trainer, TrainingArguments\n" + body
     )
-    return list(run(load_project(script), select(["hf_trainer"]), hooks=False).sites)
+    found = run(load_project(script), select(["hf_trainer"]), hooks=False).sites
+    return [s for s in found if "per_device_train_batch_size" not in s.reason]  # the batch split: tested below
 
 
 def test_settings_the_script_writes_are_its_choice(tmp_path):
@@ -138,12 +139,16 @@ def test_the_patched_script_at_its_defaults_trains_exactly_like_the_original(nam
 
 
 def test_a_trial_times_the_trainers_steps_and_keeps_each_steps_loss(tmp_path):
-    original = run_probe(case("hf_trainer", "plain"), PLAIN_ARGS, steps=5, out=tmp_path / "orig.json", cwd=tmp_path)
+    original = run_probe(case("hf_trainer", "plain"), PLAIN_ARGS, steps=20, out=tmp_path / "orig.json", cwd=tmp_path)
     result = trial(_patched_script(tmp_path, "plain"), PLAIN_ARGS, tmp_path, warmup=2, steps=3)
     assert result["status"] == "ok" and result["steps_done"] == 5, result["error"]  # ended after 5 of 40 steps
     assert len(result["step_times"]) == 3
-    assert result["losses"] == [[float.fromhex(h)] for h in original]  # the loss backward() saw, step by step
-    assert result["batch_size"] == 8
+    import torch
+
+    # the loss of each step: the sum of the losses backward() saw in its 4 micro-steps (float32, as the trial sums)
+    micro = [torch.tensor(float.fromhex(h)) for h in original]
+    assert result["losses"] == [[(a + b + c + d).item()] for a, b, c, d in zip(*[iter(micro)] * 4)]
+    assert result["batch_size"] == 8  # samples per optimizer step: 4 micro-batches of 2
 
 
 def test_a_step_of_gradient_accumulation_records_the_sum_of_its_micro_steps(tmp_path):
@@ -185,6 +190,53 @@ def test_a_value_given_on_the_command_line_wins_over_the_knob(tmp_path):
     result = trial(script, given, tmp_path, knobs=knobs, warmup=1, steps=1)
     assert result["status"] == "ok", result["error"]
     assert result["applied"] == []
+
+
+def test_the_batch_split_becomes_a_knob_where_the_trainer_is_built():
+    trainer = [s for s in sites("hf_trainer", "plain") if s.line == 48]
+    assert [s.status for s in trainer] == [Status.APPLICABLE]
+    assert trainer[0].reason.startswith("training_args.per_device_train_batch_size x gradient_accumulation_steps: the "
+                                        "split of each optimizer step's samples becomes a knob")
+
+
+def test_the_batch_split_needs_the_arguments_as_a_name_bound_before_the_trainer(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from transformers import Trainer, TrainingArguments\n"
+        "def build(args):\n"
+        "    return Trainer(model=None, args=args) if args else None\n"
+        "trainer = Trainer(model=None, args=TrainingArguments(output_dir='out'))\n"
+        "trainer.train()\n"
+    )
+    found = [s for s in run(load_project(script), select(["hf_trainer"]), hooks=False).sites if s.line in (3, 4)
+             and "batch split" in s.reason]
+    assert [(s.line, s.status) for s in found] == [(3, Status.NOT_APPLICABLE), (4, Status.NOT_APPLICABLE)]
+    assert found[1].reason == ("args=TrainingArguments(output_dir='out'): the batch split needs the TrainingArguments "
+                               "as a name bound before the Trainer is built")
+
+
+def test_a_bigger_micro_batch_trains_each_step_on_the_same_samples(tmp_path):
+    script = _patched_script(tmp_path, "plain")
+    base = trial(script, PLAIN_ARGS, tmp_path, warmup=1, steps=3)
+    split = trial(script, PLAIN_ARGS, tmp_path, knobs={"hf_trainer.batch_split": 4}, warmup=1, steps=3)
+    assert base["status"] == split["status"] == "ok", split["error"]
+    assert split["applied"] == ["hf_trainer.batch_split"]
+    assert base["batch_size"] == split["batch_size"] == 8  # samples per optimizer step: 2 x 4 and 8 x 1
+    # the same samples in each step, the loss the mean over them: equal to float rounding
+    assert [v for row in split["losses"] for v in row] == pytest.approx([v for row in base["losses"] for v in row],
+                                                                        rel=1e-5)
+    # 8 does not divide 4 accumulation steps: nothing changes, and the knob is not counted
+    odd = trial(script, PLAIN_ARGS, tmp_path, knobs={"hf_trainer.batch_split": 8}, warmup=1, steps=1)
+    assert odd["status"] == "ok" and odd["applied"] == []
+
+
+def test_the_batch_split_leaves_a_model_with_dropout_as_it_is(tmp_path):
+    args = [*PARSED_ARGS, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    script = _patched_script(tmp_path, "parsed")
+    result = trial(script, args, tmp_path, knobs={"hf_trainer.batch_split": 2}, warmup=1, steps=1)
+    assert result["status"] == "ok" and result["applied"] == [], result["error"]  # dropout 0.1: masks per micro-batch
+    result = trial(script, [*args, "--dropout", "0"], tmp_path, knobs={"hf_trainer.batch_split": 2}, warmup=1, steps=1)
+    assert result["status"] == "ok" and result["applied"] == ["hf_trainer.batch_split"], result["error"]
 
 
 def test_search_on_a_trainer_script_ends_with_a_verdict(tmp_path, capsys):

@@ -7,7 +7,8 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import is_literal, stmt
+from autotune.bound import unbound
+from autotune.syntax import argument, is_literal, stmt
 from autotune.transforms._dist import literal_string
 from autotune.transforms._settings import code_of, keyword_settings
 
@@ -94,6 +95,15 @@ class HfTrainer(Transform):
             "Trainer calls its gradient_checkpointing_enable; models without support fail the trial); saves memory, "
             "costs time",
         ),
+        Knob(
+            "hf_trainer.batch_split",
+            (1, 2, 4, 8, 16),
+            1,
+            Numerics.REORDER,
+            help="per_device_train_batch_size times this, gradient_accumulation_steps divided by it: the same samples "
+            "in the same order in each optimizer step, in fewer, bigger micro-batches (only where the accumulation "
+            "steps divide exactly, and not for a model with BatchNorm or dropout, which draw per micro-batch)",
+        ),
     )
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
@@ -104,6 +114,48 @@ class HfTrainer(Transform):
                 self._parser(facts, call, edits, hf)
             elif self.project.derives(facts, call.func, ARGUMENT_CLASSES):
                 self._arguments(facts, call, edits, hf)
+            elif (self.project.framework_of(facts, call.func) or "").startswith("the Hugging Face Trainer"):
+                self._batch_split(facts, call, edits)
+
+    def _batch_split(self, facts: ModuleFacts, call: cst.Call, edits: Edits) -> None:
+        """``Trainer(model=model, args=training_args, ...)``: just before it, the micro-batch and the accumulation
+        steps of ``training_args`` split each optimizer step's samples as the batch_split knob asks."""
+        trains = any(f.module is facts and f.framework.startswith("the Hugging Face Trainer")
+                     for f in self.project.tuned_frameworks())
+        args = argument(call, 1, "args")
+        model = argument(call, 0, "model")
+        model = model if isinstance(model, cst.Name) and model.value not in ("None", "True", "False") else None
+        at = facts.statement_of(call)
+        if any(facts.is_runtime_call(c, "hf_batch_split") for c in facts.calls):
+            self.report(facts, call, Status.PRESENT, "the batch split is already a knob")
+            return
+        if not trains:
+            return  # a Trainer built inside the call that trains: patch refuses the script (see Project.no_loop_reason)
+        if not isinstance(args, cst.Name) or unbound(facts, at, args.value) or _conditional(facts, call, at):
+            what = f"args={facts.code(args)}" if args is not None else "no args="
+            self.report(facts, call, Status.NOT_APPLICABLE,
+                        f"{what}: the batch split needs the TrainingArguments as a name bound before the Trainer is built")
+            return
+        model_code = model.value if model is not None and not unbound(facts, at, model.value) else None
+        self.report(facts, call, Status.APPLICABLE, (
+            f"{args.value}.per_device_train_batch_size x gradient_accumulation_steps: the split of each optimizer "
+            "step's samples becomes a knob (bigger micro-batches, fewer accumulation steps, the same samples in the "
+            "same order)" + ("; left as it is for a model with BatchNorm or dropout, checked when the Trainer is built"
+                             if model_code else "; the model is not a name here: BatchNorm or dropout, which draw per "
+                             "micro-batch, are left to the loss gate")))
+        if self.mode.gated:
+            self.settings_read.add("batch_split")
+            extra = f", model={model_code}" if model_code else ""
+            edits.insert_before(at, stmt(f"{edits.runtime('hf_batch_split')}({args.value}{extra})\n"))
+            return
+        k = self.mode.value(self.knob("batch_split"))
+        if k != 1:
+            a = args.value
+            edits.insert_before(at, stmt(
+                f"if {a}.gradient_accumulation_steps % {k} == 0:  # autotune: micro-batch x{k}, accumulation /{k}: "
+                "same samples per step\n"
+                f"    {a}.per_device_train_batch_size *= {k}\n"
+                f"    {a}.gradient_accumulation_steps //= {k}\n"))
 
     def _arguments(self, facts: ModuleFacts, call: cst.Call, edits: Edits, hf: bool) -> None:
         """``TrainingArguments(output_dir=..., ...)``: the settings the script leaves out become knobs there."""
@@ -155,6 +207,17 @@ class HfTrainer(Transform):
         """The keyword arguments (name -> code) a person would write for the chosen values of ``settings``."""
         return {k: code_of(v) for k, v in hf_settings(
             {s: self.mode.value(self.knob(s)) for s in settings}, default_optim=None).items()}
+
+
+def _conditional(facts: ModuleFacts, call: cst.Call, at: cst.BaseStatement) -> bool:
+    """Whether ``call`` runs only on some paths through its statement (an if-expression's branch, a lambda's body,
+    the right of and/or): a statement put before it would run where the Trainer is not built."""
+    for node in facts.ancestors(call):
+        if node is at:
+            return False
+        if isinstance(node, (cst.IfExp, cst.Lambda, cst.BooleanOperation, cst.BaseComp)):
+            return True
+    return False
 
 
 def _on(keyword: str, value: cst.BaseExpression) -> bool:
@@ -252,6 +315,41 @@ def _given_on_command_line(parser: Any) -> set[str]:
             if any(t == option or t.startswith(option + "=") for t in tokens):
                 given.add(action.dest)
     return given
+
+
+def hf_batch_split(args: Any, model: Any = None) -> None:
+    """Split each optimizer step's samples as ``hf_trainer.batch_split`` asks, in the TrainingArguments ``args``
+    before the Trainer is built: the micro-batch (per_device_train_batch_size) times k, the accumulation steps
+    divided by k. The Trainer's sampler orders the same samples whatever the micro-batch, and it scales each
+    micro-step's loss to the mean over the step, so each step trains on the same samples, to float rounding.
+    Left as it is where k does not divide the accumulation steps, and for a ``model`` whose training draws per
+    micro-batch (see ``_per_micro_batch``)."""
+    k = knob("hf_trainer.batch_split", record=False)
+    if k == 1 or getattr(args, "_autotune_split", False) or args.gradient_accumulation_steps % k:
+        return
+    if model is not None and _per_micro_batch(model):
+        return
+    args.per_device_train_batch_size *= k
+    args.gradient_accumulation_steps //= k
+    args._autotune_split = True  # a plain attribute, not a field: TrainingArguments' own output leaves it out
+    took_effect("hf_trainer.batch_split")
+
+
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def _per_micro_batch(model: Any) -> bool:
+    """Whether ``model`` trains differently on other micro-batches of the same samples: BatchNorm (its statistics
+    are per micro-batch), or dropout (its masks are drawn layer by layer for each micro-batch, so the same sample
+    gets another mask)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+
+    if any(isinstance(m, _BatchNorm) or (isinstance(m, _DropoutNd) and m.p > 0) for m in model.modules()):
+        return True
+    # attention dropout that transformers' models apply functionally (scaled_dot_product_attention's dropout_p)
+    config = getattr(model, "config", None)
+    return any(isinstance(getattr(config, k, None), (int, float)) and getattr(config, k) > 0 for k in ATTENTION_DROPOUT)
 
 
 def hf_trainer_resolved(args: Any) -> None:
