@@ -939,3 +939,28 @@ def test_ties_are_dueled_most_promising_first_and_one_that_could_not_be_picked_i
     assert chosen["gc.freeze"] is False  # the pairs say the incumbent is not faster: the simpler one is kept
     # and the three slower simpler alternatives were never dueled: none of them could have been picked over it
     assert len(world.duels) == 1
+
+
+def test_a_micro_batch_that_runs_out_of_memory_prunes_the_bigger_ones():
+    knobs = (_knob("batch_split.factor", (1, 2, 4, 8, 16)), _knob("gc.freeze", (False, True)))
+    space = SearchSpace("cuda", knobs, {k.name: k.choices for k in knobs})
+
+    def speed(c):
+        return {1: 1.0, 2: 1.5, 4: 1.8, 8: 2.0, 16: 2.1}[c["batch_split.factor"]]
+
+    class Memory(World):
+        def measure(self, config):
+            if config["batch_split.factor"] >= 4:  # 4x the micro-batch does not fit
+                self.seen[config_key(config)] = Observation(False, None, "oom", "CUDA out of memory")
+                self.order.append(dict(config))
+            else:
+                super().measure(config)
+
+        def costly(self, config):
+            return False
+
+    world = Memory(speed, lambda c: (True, None), space=space)
+    plan = drive(StrongStart(space, {"batch_split.factor": 4}, {}), world)
+    assert plan.incumbent["batch_split.factor"] == 2
+    tried = [c["batch_split.factor"] for c in world.order]
+    assert 4 in tried and 8 not in tried and 16 not in tried, tried  # 4 did not fit: 8 and 16 are not run

@@ -420,10 +420,14 @@ class StrongStart:
         return {**self.space.baseline(), **{n: self.start[n] for n in names}}
 
     def _alternatives(self, view: View, incumbent: Config, name: str, blamed: set) -> list[dict[str, Any]]:
-        """``incumbent`` with each other choice of knob ``name`` (distinct programs; blamed and expensive ones out)."""
+        """``incumbent`` with each other choice of knob ``name`` (distinct programs; blamed and expensive ones out,
+        and micro-batches at least as big as one that ran out of memory)."""
         out: list[dict[str, Any]] = []
+        too_big = _out_of_memory_splits(view).get(name)
         for choice in self.space.choices[name]:
             if same_value(choice, incumbent.get(name)) or self.is_expensive(name, choice):
+                continue
+            if too_big is not None and isinstance(choice, int) and choice >= too_big:
                 continue
             if (name, _text(choice)) in blamed:
                 continue
@@ -532,6 +536,23 @@ class StrongStart:
         if ratio > 1.0 + margin:
             return True
         return ratio >= 1.0 - margin and len(self.space.changed(a)) < len(self.space.changed(b))
+
+
+# knobs that multiply the micro-batch (the same samples per optimizer step in fewer, bigger micro-batches)
+SPLITS = ("batch_split.factor", "hf_trainer.batch_split")
+
+
+def _out_of_memory_splits(view: View) -> dict[str, int]:
+    """For each batch-split knob, the smallest factor that ran out of memory: a bigger micro-batch needs more."""
+    out: dict[str, int] = {}
+    for config, o in view.measured():
+        if o.status != "oom":
+            continue
+        for name in SPLITS:
+            value = config.get(name)
+            if isinstance(value, int) and value > 1 and value < out.get(name, value + 1):
+                out[name] = value
+    return out
 
 
 def _ok(view: View, config: Config) -> bool:
