@@ -617,6 +617,8 @@ _AST_TWINS: dict[type, tuple[type, ...]] = {
     cst.FunctionDef: (ast.FunctionDef, ast.AsyncFunctionDef),
     cst.ClassDef: (ast.ClassDef,),
     cst.Assign: (ast.Assign,),
+    cst.AugAssign: (ast.AugAssign,),
+    cst.If: (ast.If,),
     cst.Expr: (ast.Expr,),
     cst.Import: (ast.Import,),
     cst.ImportFrom: (ast.ImportFrom,),

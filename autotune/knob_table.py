@@ -67,6 +67,15 @@ KNOBS = {knob.name: knob for knob in (
         compiles=False,
     ),
     Knob(
+        'batch_split.factor',
+        (1, 2, 4, 8, 16),
+        1,
+        Numerics.REORDER,
+        devices=frozenset({'cpu', 'cuda'}),
+        help="the DataLoader's batch_size times this, the accumulation steps divided by it: the same samples in the same order in each optimizer step, the loss still their mean (only where it divides the accumulation steps; at an epoch's end a last, smaller micro-batch weighs as the script weighs it)",
+        compiles=False,
+    ),
+    Knob(
         'channels_last.enabled',
         (False, True),
         False,

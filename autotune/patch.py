@@ -246,16 +246,19 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
         if any(facts.is_runtime_call(c, "step") for c in facts.calls_in(scope.owner)):
             continue  # already patched
         losses = _hook_losses(facts, scope.loss_exprs())
-        hidden = False  # a path on which the step hook sees no loss: bound only inside an inner loop
+        # the optimizer steps under a condition its backward() is not under (``if (i + 1) % accum == 0``): the
+        # step's loss is the sum of its micro-steps', which the accumulate hook adds up
+        counted = loop.module is facts and _steps_on_condition(facts, loop.node, scope)
+        hidden = counted  # a path on which the step hook sees no loss: bound only inside an inner loop
         for anchor in _hook_anchors(facts, scope):
-            args = [code for code in losses if not unbound(facts, anchor, code, after=True)]
+            args = [] if counted else [code for code in losses if not unbound(facts, anchor, code, after=True)]
             hidden = hidden or (bool(losses) and not args)
             batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
             if batch is not None and batch not in args and not unbound(facts, anchor, batch, after=True):
                 args.append(f"batch={batch}")
             edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
         if hidden:
-            _accumulate_hooks(facts, scope, edits)
+            _accumulate_hooks(facts, scope, edits, _batch_name(loop) if counted else None)
 
 
 def _framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
@@ -272,15 +275,38 @@ def _framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None
             edits.insert_before(at, stmt(f"{edits.runtime('framework_trial')}({trainer})\n"))
 
 
-def _accumulate_hooks(facts: ModuleFacts, scope: StepScope, edits: Edits) -> None:
+def _steps_on_condition(facts: ModuleFacts, loop: cst.CSTNode, scope: StepScope) -> bool:
+    """Whether every optimizer step of ``scope`` is in the body of an ``if`` inside ``loop`` that holds none of its
+    backward() calls: gradient accumulation over the loop's own iterations."""
+    if not scope.steps or not scope.backward:
+        return False
+    for call in scope.steps:
+        child: cst.CSTNode = call
+        for node in facts.ancestors(call):
+            if node is loop or node is scope.owner:
+                return False
+            if isinstance(node, cst.If) and facts.contains(node.body, child):
+                if any(facts.contains(node, b) for b in scope.backward):
+                    return False
+                break
+            child = node
+        else:
+            return False
+    return True
+
+
+def _accumulate_hooks(facts: ModuleFacts, scope: StepScope, edits: Edits, batch: str | None = None) -> None:
     """Gradient accumulation over an inner loop (``for micro in range(accum): loss = ... / accum; loss.backward()``)
     binds the loss only inside that loop: after each backward, ``_autotune.accumulate(loss)`` (a no-op outside
-    trials) adds it to the optimizer step's loss, which a step hook that sees no loss of its own records."""
+    trials) adds it to the optimizer step's loss, which a step hook that sees no loss of its own records. Where the
+    loop's own batches are the micro-batches, ``batch=`` counts their samples into the step's."""
     for call in scope.backward:
         expr = loss_expr(facts, call)
         codes = _hook_losses(facts, [expr] if expr is not None else [])
         at = facts.statement_of(call)
         codes = [code for code in codes if not unbound(facts, at, code, after=True)]
+        if codes and batch is not None and batch not in codes and not unbound(facts, at, batch, after=True):
+            codes.append(f"batch={batch}")
         if codes:
             edits.insert_after(at, stmt(f"{edits.runtime('accumulate')}({', '.join(codes)})\n"))
 

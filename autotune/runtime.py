@@ -106,6 +106,7 @@ class _Trial:
         self.stamps: list[float] = []
         self.losses: list[Any] = []
         self.pending: list[tuple] = []  # the losses of this optimizer step's micro-steps (gradient accumulation)
+        self.pending_samples: list[int | None] = []  # and the samples of their micro-batches, where known
         self.batch: int | None = None
         self.written = False
         self.first_step_at: float | None = None
@@ -119,13 +120,18 @@ class _Trial:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def accumulate(self, losses: tuple) -> None:
+    def accumulate(self, losses: tuple, batch: Any = None) -> None:
         self.pending.append(_copies(losses))
+        shape = getattr(batch, "shape", None)
+        self.pending_samples.append(int(shape[0]) if shape is not None and len(shape) > 0 else None)
 
     def step(self, losses: tuple, batch: Any, samples: int | None = None) -> None:
         """``samples``: how many the optimizer step trained on, where a framework hook counted its micro-batches
         (else the first dimension of ``batch``, the step's last micro-batch)."""
         self.count += 1
+        if samples is None and self.pending_samples and None not in self.pending_samples:
+            samples = sum(self.pending_samples)  # a loop of the script's own: each micro-batch counted
+        self.pending_samples = []
         if self.batch is None and samples:
             self.batch = int(samples)
         if losses:
@@ -434,11 +440,12 @@ def _copies(losses: tuple) -> tuple:
     return tuple(l.detach().clone() if hasattr(l, "detach") else l for l in losses)
 
 
-def accumulate(*losses: Any) -> None:
+def accumulate(*losses: Any, batch: Any = None) -> None:
     """Called by patched scripts after each micro-step's backward where the step hook cannot see the loss (it is
-    bound only inside a gradient-accumulation loop); does nothing outside a trial."""
+    bound only inside a gradient-accumulation loop, or the optimizer steps every few batches); ``batch``: the
+    micro-batch, whose samples count into the step's. Does nothing outside a trial."""
     if _trial is not None:
-        _trial.accumulate(losses)
+        _trial.accumulate(losses, batch)
 
 
 def step(*losses: Any, batch: Any = None, samples: int | None = None) -> None:

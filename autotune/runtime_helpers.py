@@ -36,6 +36,7 @@ __all__ = [
     'autocast_dtype',
     'autocast_enabled',
     'backend_flags',
+    'batch_split',
     'channels_last',
     'checkpoint_blocks',
     'checkpoint_sequential',
@@ -270,6 +271,20 @@ def backend_flags(script_sets: tuple[str, ...] = ()) -> None:
         import torch
 
         exec("\n".join(code), {"torch": torch})  # the very statements a baked script runs
+
+
+# --- batch_split (transforms/batch_split.py) ------------------------------------------------------
+
+
+def batch_split(micro: Any, accumulation: Any) -> tuple[Any, Any]:
+    """(micro-batch size, accumulation steps) as ``batch_split.factor`` splits them: k times the micro-batch, the
+    accumulation steps divided by k, so that each optimizer step trains on the same samples; as given where k does
+    not divide the accumulation steps (or they are not whole numbers)."""
+    k = knob("batch_split.factor", record=False)
+    if k == 1 or not isinstance(micro, int) or not isinstance(accumulation, int) or accumulation % k:
+        return micro, accumulation
+    took_effect("batch_split.factor")
+    return micro * k, accumulation // k
 
 
 # --- channels_last (transforms/channels_last.py) --------------------------------------------------

@@ -56,7 +56,9 @@ def test_gradient_accumulation_hook_stays_under_its_condition(tmp_path):
             opt.zero_grad()
     """
     assert _hook_after(tmp_path, body) == ["opt.step()"]
-    assert _hooks(tmp_path, body) == ["_autotune.step(loss, batch=x)"]
+    # the step's loss is the sum of its micro-steps' (whose loss the step hook would see only the last of), its
+    # samples those of all four micro-batches
+    assert _hooks(tmp_path, body) == ["_autotune.step(batch=x)"]
 
 
 def test_loss_bound_on_one_path_only_is_left_out(tmp_path):
@@ -168,6 +170,22 @@ def test_a_loss_bound_only_inside_a_micro_step_loop_is_accumulated(tmp_path):
 
 def test_a_loss_the_step_hook_sees_is_not_also_accumulated(tmp_path):
     body = """
+    for x, y in data:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if not torch.isfinite(loss):
+            continue
+        opt.step()
+    """
+    script = tmp_path / "train.py"
+    script.write_text(HEAD + textwrap.dedent(body))
+    (file,) = run(load_project(script), select(["gc"])).files
+    assert "_autotune.accumulate(" not in file.new_text
+    assert "_autotune.step(loss, batch=x)" in file.new_text
+
+
+def test_a_step_every_few_batches_records_the_sum_of_its_micro_steps(tmp_path):
+    body = """
     for i, (x, y) in enumerate(data):
         loss = nn.functional.mse_loss(model(x), y) / 4
         loss.backward()
@@ -177,7 +195,9 @@ def test_a_loss_the_step_hook_sees_is_not_also_accumulated(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(HEAD + textwrap.dedent(body))
     (file,) = run(load_project(script), select(["gc"])).files
-    assert "_autotune.accumulate(" not in file.new_text
+    lines = [line.strip() for line in file.new_text.splitlines()]
+    assert lines[lines.index("_autotune.accumulate(loss, batch=x)") - 1] == "loss.backward()"
+    assert lines[lines.index("_autotune.step(batch=x)") - 1] == "opt.step()"
 
 
 def test_a_trial_records_the_sum_of_the_micro_steps_losses_per_optimizer_step(tmp_path):

@@ -346,7 +346,7 @@ def test_search_under_torchrun_end_to_end(tmp_path):
     assert len(results) >= 3  # two baselines and the no_sync trial, at least
     for r in results:
         assert r.status is Outcome.OK and r.ranks == 2 and len(r.step_times) == STEPS, r.error
-        assert r.batch_size == 2 * 16  # each rank's --micro-batch, added up
+        assert r.batch_size == 2 * 16 * 4  # each rank's optimizer step: 4 micro-batches of 16, added up
         assert [len(rows) for rows in r.rank_losses] == [WARMUP + STEPS] * 2
         assert r.rank_losses[0] != r.rank_losses[1]  # each rank trains on its own shard of the data
         assert r.losses == tuple(((a[0] + b[0]) / 2,) for a, b in zip(*r.rank_losses))
