@@ -659,24 +659,27 @@ def _knob_values(script_sets: tuple[str, ...]) -> dict[str, Any]:
     return {s: knob(f"hf_trainer.{s}", record=False) for s in HF_SETTINGS if s not in script_sets}
 
 
+def _default_optim(values: dict[str, Any]) -> str | None:
+    """The installed TrainingArguments' own optim, asked only where the optim knob is off its default."""
+    return _installed_optim() if values.get("optim", "default") != "default" else None
+
+
 def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """The TrainingArguments keywords the knobs ask for, except for the settings the script gives itself
     (``script_sets``): nothing at the defaults."""
     values = _knob_values(script_sets)
-    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
-        return {}
-    return hf_settings(values, _installed_optim())
+    return hf_settings(values, _default_optim(values))
 
 
 def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
     """Defaults for the parser's TrainingArguments fields: the knobs' settings, except those the command line
     gives (it wins: a precision given there leaves both bf16 and fp16 to it). Nothing at the defaults."""
     values = _knob_values(())
-    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
-        return {}
+    if all(v == default(f"hf_trainer.{s}") for s, v in values.items()):
+        return {}  # the command line need not be read
     given = _given_on_command_line(parser)
     values = {s: v for s, v in values.items() if not given.intersection(HF_SETTINGS[s])}
-    return hf_settings(values, _installed_optim())
+    return hf_settings(values, _default_optim(values))
 
 
 def _given_on_command_line(parser: Any) -> set[str]:

@@ -133,6 +133,16 @@ def is_literal(node: cst.BaseExpression, value: Any) -> bool:
     return False
 
 
+def is_constant(node: cst.BaseExpression) -> bool:
+    """A value written as a constant (``0``, ``-1``, ``2.5``, ``"bf16"``, ``True``, ``None``): the script's own
+    choice, where a name or an expression (``args.workers``) may be a switch it sets per run."""
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
+        node = node.expression
+    if isinstance(node, (cst.Integer, cst.Float, cst.SimpleString, cst.ConcatenatedString)):
+        return True
+    return isinstance(node, cst.Name) and node.value in ("True", "False", "None")
+
+
 def is_name(node: cst.CSTNode, value: str | None = None) -> bool:
     return isinstance(node, cst.Name) and (value is None or node.value == value)
 

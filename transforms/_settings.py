@@ -9,7 +9,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, expr, kwarg, star_kwargs
+from autotune.syntax import add_args, expr, is_constant, kwarg, star_kwargs
 from autotune.transforms._dist import literal_string
 
 
@@ -63,7 +63,7 @@ def keyword_settings(
         if switch is not None and len(given) == 1 and facts.is_runtime_call(written[given[0]], switch[0]):
             kept.append(setting)
             transform.report(facts, call, Status.PRESENT, f"{what} settings are already knobs")
-        elif switch is not None and len(given) == 1 and not _literal(written[given[0]]):
+        elif switch is not None and len(given) == 1 and not is_constant(written[given[0]]):
             kept.append(setting)
             keyword, value = given[0], facts.code(written[given[0]])
             off = " or ".join(map(code_of, switch[1]))
@@ -83,8 +83,7 @@ def keyword_settings(
             present = any(on(k, written[k]) for k in given)
             status = Status.PRESENT if present else Status.USER
             transform.report(facts, call, status, f"the script sets {code}" + ("" if present else ": its choice is kept"))
-    free = [s for s in settings if s not in kept and (transform.mode.gated or transform.knob(s).default
-                                                       != transform.mode.value(transform.knob(s)))]
+    free = [s for s in settings if s not in kept and searched(transform, s)]
     extra: list[cst.Arg] = []
     if free:
         verb = "becomes a knob" if len(free) == 1 else "become knobs"
@@ -108,9 +107,11 @@ def keyword_settings(
     edits.rewrite(call, rewrite)
 
 
-def _literal(node: cst.BaseExpression) -> bool:
-    return isinstance(node, (cst.SimpleString, cst.Integer, cst.Float)) or (
-        isinstance(node, cst.Name) and node.value in ("True", "False", "None"))
+def searched(transform: Transform, setting: str) -> bool:
+    """Whether the knob ``<transform>.<setting>`` is written into the script: always where the patch is gated,
+    where it is baked only at a choice other than its default."""
+    knob = transform.knob(setting)
+    return transform.mode.gated or transform.mode.value(knob) != knob.default
 
 
 def code_of(value: object) -> str:

@@ -7,7 +7,9 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, argument, assignments, expr, is_name, kwarg, move_into_helper, scope_of
+from autotune.syntax import (
+    add_args, argument, assignments, expr, is_constant, is_name, kwarg, move_into_helper, scope_of,
+)
 from autotune.transforms._model import ClassRef, find_class, model_class, training
 from autotune.transforms._sites import h2d_copy, short
 
@@ -87,7 +89,7 @@ class Dataloader(Transform):
                 self.report(facts, call, Status.NOT_APPLICABLE, on_device)
                 continue
             written = {a.keyword.value: a.value for a in call.args if a.keyword is not None and a.keyword.value in SETTINGS}
-            switches = {n: v for n, v in written.items() if n in SWITCHES and not _literal(v)}
+            switches = {n: v for n, v in written.items() if n in SWITCHES and not is_constant(v)}
             if {"persistent_workers", "prefetch_factor"} & set(written):
                 switches.pop("num_workers", None)  # settings for workers: the script means its count to be used
             kept = ", ".join(f"{n}={facts.code(v)}" for n, v in written.items() if n not in switches)
@@ -332,11 +334,6 @@ def _dict_keys(facts: ModuleFacts, at: cst.CSTNode, value: cst.BaseExpression) -
         else:
             return None  # passed somewhere that may change it
     return keys if keys or assignments(facts, scope, name) else None
-
-
-def _literal(value: cst.BaseExpression) -> bool:
-    """A setting written as a constant (``num_workers=0``, ``pin_memory=True``): the script's choice, not a switch."""
-    return isinstance(value, cst.Integer) or (isinstance(value, cst.Name) and value.value in ("True", "False", "None"))
 
 
 def _switched(arg: cst.Arg, helper: str) -> cst.Arg:

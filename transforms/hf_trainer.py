@@ -10,7 +10,7 @@ from autotune.transform import Edits, Status, Transform
 from autotune.bound import unbound
 from autotune.syntax import argument, is_literal, stmt
 from autotune.transforms._dist import literal_string
-from autotune.transforms._settings import code_of, keyword_settings
+from autotune.transforms._settings import code_of, keyword_settings, searched
 
 # TrainingArguments and the subclasses libraries ship (a local subclass of any of them counts too)
 ARGUMENT_CLASSES = {
@@ -107,7 +107,7 @@ class HfTrainer(Transform):
     )
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
-        hf = any(f.framework.startswith("the Hugging Face Trainer") for f in self.project.frameworks)
+        hf = any(f.framework.startswith("the Hugging Face Trainer") for f in self.project.tuned_frameworks())
         for call in facts.calls:
             qual = facts.qualname(call.func)
             if qual in PARSERS:
@@ -185,7 +185,7 @@ class HfTrainer(Transform):
         if not hf:
             self.report(facts, call, Status.NOT_APPLICABLE, "no Hugging Face Trainer trains in this script")
             return
-        free = [s for s in HF_SETTINGS if self._searched(s)]
+        free = [s for s in HF_SETTINGS if searched(self, s)]
         self.report(
             facts, call, Status.APPLICABLE,
             f"the parser's defaults for {', '.join(free)} become knobs: a value given on the command line wins "
@@ -199,9 +199,6 @@ class HfTrainer(Transform):
             if values:
                 keywords = ", ".join(f"{k}={v}" for k, v in values.items())
                 edits.insert_after(at, stmt(f"{parser}.set_defaults({keywords})\n"))
-
-    def _searched(self, setting: str) -> bool:
-        return self.mode.gated or self.mode.value(self.knob(setting)) != self.knob(setting).default
 
     def _baked(self, settings: list[str]) -> dict[str, str]:
         """The keyword arguments (name -> code) a person would write for the chosen values of ``settings``."""
@@ -284,24 +281,27 @@ def _knob_values(script_sets: tuple[str, ...]) -> dict[str, Any]:
     return {s: knob(f"hf_trainer.{s}", record=False) for s in HF_SETTINGS if s not in script_sets}
 
 
+def _default_optim(values: dict[str, Any]) -> str | None:
+    """The installed TrainingArguments' own optim, asked only where the optim knob is off its default."""
+    return _installed_optim() if values.get("optim", "default") != "default" else None
+
+
 def hf_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """The TrainingArguments keywords the knobs ask for, except for the settings the script gives itself
     (``script_sets``): nothing at the defaults."""
     values = _knob_values(script_sets)
-    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
-        return {}
-    return hf_settings(values, _installed_optim())
+    return hf_settings(values, _default_optim(values))
 
 
 def hf_trainer_defaults(parser: Any) -> dict[str, Any]:
     """Defaults for the parser's TrainingArguments fields: the knobs' settings, except those the command line
     gives (it wins: a precision given there leaves both bf16 and fp16 to it). Nothing at the defaults."""
     values = _knob_values(())
-    if not any(v != default(f"hf_trainer.{s}") for s, v in values.items()):
-        return {}
+    if all(v == default(f"hf_trainer.{s}") for s, v in values.items()):
+        return {}  # the command line need not be read
     given = _given_on_command_line(parser)
     values = {s: v for s, v in values.items() if not given.intersection(HF_SETTINGS[s])}
-    return hf_settings(values, _installed_optim())
+    return hf_settings(values, _default_optim(values))
 
 
 def _given_on_command_line(parser: Any) -> set[str]:
