@@ -53,7 +53,6 @@ def _training_cases() -> tuple:
 FIXTURES = SCRIPT_FIXTURES + _training_cases()
 # Choices no CPU fixture can run, and why; every other choice of every knob is covered (a test checks it).
 NOT_ON_CPU = {
-    ("checkpointing.framework", True): "needs transformers or timm, which the tests do not install",
     ("hf_trainer.tf32", True): "TrainingArguments refuses tf32=True without an Ampere or newer GPU",
 }
 # Knobs whose choices are compared elsewhere, and where.

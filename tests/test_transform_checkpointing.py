@@ -322,3 +322,28 @@ def test_timm_switch_keeps_losses_and_reaches_the_model(tmp_path):
     (tmp_path / "switched").unlink()
     assert losses(tmp_path, "baked", baked("checkpointing", "framework_timm", knobs)) == base
     assert (tmp_path / "switched").exists()
+
+
+@pytest.mark.parametrize("built, applies", [
+    ("GPT2LMHeadModel(config)", True),
+    ("BertForSequenceClassification(config)", True),
+    ("LlamaModel(config)", True),
+    ("GPT2Config(n_layer=2)", False),  # a config, not a model
+    ("PreTrainedTokenizerFast(tokenizer_file='t.json')", False),
+    ("AutoModelForCausalLM.from_config(config)", True),
+])
+def test_a_transformers_model_built_from_its_config_has_the_librarys_switch(tmp_path, built, applies):
+    name = built.split("(")[0].split(".")[0]
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import torch\nfrom transformers import {name}\n"
+        f"model = {built}\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for batch in range(3):\n"
+        "    loss = model(batch).loss\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+    )
+    found = [s for s in run(load_project(script), select(["checkpointing"]), hooks=False).sites
+             if "own switch" in s.reason]
+    assert bool(found) is applies, [s.reason for s in run(load_project(script), select(["checkpointing"])).sites]

@@ -30,7 +30,8 @@ _TIMM_FACTORIES = {"timm.create_model", "timm.models.create_model"}
 
 
 def _library_model(facts: ModuleFacts, value: cst.BaseExpression) -> str | None:
-    """The library a model comes from: ``transformers.<Class>.from_pretrained(...)`` or ``timm.create_model(...)``."""
+    """The library a model comes from: ``transformers.<Class>.from_pretrained(...)``, a transformers model class
+    called with its config, or ``timm.create_model(...)``."""
     if not isinstance(value, cst.Call):
         return None
     qual = facts.qualname(value.func) or ""
@@ -40,6 +41,11 @@ def _library_model(facts: ModuleFacts, value: cst.BaseExpression) -> str | None:
         cls = qual.rsplit(".", 2)[-2]
         # a model class: AutoModel..., GPT2LMHeadModel, BertForSequenceClassification; not AutoTokenizer/AutoConfig
         return "transformers" if "Model" in cls or "For" in cls else None
+    if qual.startswith("transformers.") and qual.count(".") == 1:
+        # a model class built from its config (``GPT2LMHeadModel(config)``); the Auto classes cannot be built so
+        cls = qual.split(".")[1]
+        model = cls.endswith("Model") or "For" in cls and cls[cls.index("For") + 3:][:1].isupper()
+        return "transformers" if model and not cls.startswith("Auto") else None
     return None
 
 
@@ -135,6 +141,10 @@ class Checkpointing(Transform):
                 self.report(facts, assign, Status.PRESENT, f"{name}.{method}() is already behind the checkpointing.framework knob")
             elif own is not None:
                 self.report(facts, assign, Status.USER, f"the script calls {facts.code(own.func)}() itself")
+            elif not self.project.loops and any(f.framework.startswith("the Hugging Face Trainer")
+                                                for f in self.project.tuned_frameworks()):
+                self.report(facts, assign, Status.NOT_APPLICABLE, "the Trainer's own gradient_checkpointing setting "
+                            "is the knob here (hf_trainer.gradient_checkpointing)")
             elif not self.project.loops:
                 self.report(facts, assign, Status.NOT_APPLICABLE, "no training loop in this script")
             elif _rebound_in_scope(facts, assign, name):
