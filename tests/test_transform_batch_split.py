@@ -81,6 +81,9 @@ def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
     ({"layer": ", nn.Dropout(0.1)"}, "Dropout(0.1) at {dir}/train.py:10: dropout draws its masks per micro-batch (0 is the "
                                      "only probability known here to be safe)"),
     ({"layer": ", nn.Dropout()"}, "Dropout at {dir}/train.py:10: dropout draws its masks per micro-batch"),
+    ({"scale": " + nn.functional.l1_loss(x.float(), x.float() * 0, reduction='sum') / args.accum"},
+     "nn.functional.l1_loss(reduction=\"sum\") at {dir}/train.py:15: a loss summed over samples, which the split "
+     "would scale"),
 ])
 def test_where_the_split_would_change_what_is_trained_it_is_not_applicable(tmp_path, parts, reason):
     assert _scan(tmp_path, **parts) == [(Status.NOT_APPLICABLE, reason.replace("{dir}", str(tmp_path)))]

@@ -134,6 +134,9 @@ class BatchSplit(Transform):
         layer = self._per_micro_batch()
         if layer is not None:
             return node, layer
+        summed = _summed_loss(self.project)
+        if summed is not None:
+            return node, summed
         after = _bound_once(facts, [micro_code, code], facts.statement_of(built))
         if isinstance(after, str):
             return built, after
@@ -162,6 +165,18 @@ class BatchSplit(Transform):
                     return (f"{qual.rsplit('.', 1)[-1]}({facts.code(p)}) at {where}: dropout draws its masks per "
                             "micro-batch (0 is the only probability known here to be safe)")
         return None
+
+
+def _summed_loss(project) -> str | None:
+    """Where a loss is summed over its samples (``reduction="sum"``), if anywhere: divided by the accumulation steps
+    it is the step's sum over micro-batches of k times fewer, k times bigger sums, k times the gradient."""
+    for facts in project.modules:
+        for call in facts.calls:
+            value = argument(call, None, "reduction")
+            if isinstance(value, cst.SimpleString) and value.evaluated_value == "sum":
+                return (f"{facts.code(call.func)}(reduction=\"sum\") at {facts.display}:{facts.position(call)[0]}: a "
+                        "loss summed over samples, which the split would scale")
+    return None
 
 
 def _ifs(facts: ModuleFacts, call: cst.Call, loop: cst.For) -> list[cst.If]:
