@@ -48,3 +48,38 @@ def test_the_knob_reaches_fabrics_precision_plugin_unless_the_launcher_chose(lau
     got = readback(_patched(tmp_path), ARGS, "lightning:Fabric", "_precision.precision", tmp_path / "seen.json",
                    env, tmp_path)
     assert got == resolved
+
+
+def test_a_model_fabric_set_up_is_compiled_through_its_wrapper(monkeypatch):
+    # a training function that gets the model after fabric.setup() compiles what it has: Fabric's wrapper, which
+    # hands every attribute to the module it wraps (compiling the wrapper in place recursed without end)
+    import lightning as L
+    import torch
+
+    from autotune import knob_values
+    from autotune.runtime_helpers import compile_model
+
+    monkeypatch.setattr(knob_values, "_loaded", lambda: {"compile.mode": "default"})
+    class Net(torch.nn.Module):  # a graph break in forward, as torch.nn.Transformer has (its mask check)
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            if bool((h > 100).all()):
+                h = h * 0
+            return self.b(torch.nn.functional.gelu(h))
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    module = Net()
+    keys = list(module.state_dict())
+    model = fabric.setup_module(module)
+    x = torch.randn(4, 8)
+    eager = model(x)
+    assert compile_model(model) is model
+    assert module._compiled_call_impl is not None  # the module Fabric runs, compiled in place
+    fabric.backward(model(x).sum())
+    torch.testing.assert_close(model(x), eager)
+    assert list(module.state_dict()) == keys

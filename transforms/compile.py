@@ -313,12 +313,16 @@ def compile_model(model: Any, blocks: Any = (), switch: Any = False) -> Any:
     import torch._inductor.config
 
     inner = model
-    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+    if type(model).__name__ == "_FabricModule" and type(model).__module__.startswith("lightning"):
+        # a model Fabric set up: its wrapper hands every attribute to the module it wraps, so compiling the
+        # wrapper in place recurses; the module it runs (the model, or DDP around it) is compiled instead
+        inner = model._forward_module
+    if isinstance(inner, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
         # the wrapped model is compiled: DDP runs it as it is; DataParallel runs it itself on one device, but
         # its replicas on several would call the original's compiled forward on another device's inputs
-        if isinstance(model, torch.nn.DataParallel) and len(model.device_ids or ()) > 1:
+        if isinstance(inner, torch.nn.DataParallel) and len(inner.device_ids or ()) > 1:
             return model
-        inner = model.module
+        inner = inner.module
     kwargs = _compile_kwargs()
     # eager's random numbers: inductor's own give other dropout masks, and the losses could not be compared
     torch._inductor.config.fallback_random = True
