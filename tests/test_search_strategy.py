@@ -964,3 +964,24 @@ def test_a_micro_batch_that_runs_out_of_memory_prunes_the_bigger_ones():
     assert plan.incumbent["batch_split.factor"] == 2
     tried = [c["batch_split.factor"] for c in world.order]
     assert 4 in tried and 8 not in tried and 16 not in tried, tried  # 4 did not fit: 8 and 16 are not run
+
+
+def test_a_bisection_the_time_left_does_not_cover_leaves_compilation_out_and_still_finds_the_culprit():
+    # Lightning's transformer example: its start (compile, bf16, fused SGD) crashed, the first bisection step held
+    # compile, whose guessed compile time the budget did not cover, and the search stopped with most of it unspent
+    start = {"compile.mode": "default", "autocast.dtype": "bf16", "sdpa.attention": "sdpa",
+             "fused_optimizer.impl": "fused"}
+
+    def ok(c):
+        if c["fused_optimizer.impl"] == "fused" and c["autocast.dtype"] == "bf16":
+            return False, "RuntimeError: the optimizer does not allow for gradient clipping"
+        return True, None
+
+    world = World(gpt_speed, ok)
+    world._affordable = lambda c: c["compile.mode"] == "none" or not world.order  # the start fits, then not
+    plan = drive(StrongStart(SPACE, start, EXPENSIVE), world)
+    assert [(b.knob, b.value) for b in plan.blamed] == [("fused_optimizer.impl", "fused")]
+    assert all(c["compile.mode"] == "none" for c in world.order[1:])  # only the start itself compiled
+    assert plan.incumbent["autocast.dtype"] == "bf16" and plan.incumbent["sdpa.attention"] == "sdpa"
+    text = "\n".join(s.text for s in plan.path)
+    assert "compile.mode=default left out of the start: the time left does not cover bisecting with it" in text

@@ -223,10 +223,17 @@ class StrongStart:
                 what = "start without them"
             else:
                 lo, hi, failure = 0, len(changed), got  # prefix lo passes (the baseline does), prefix hi fails
+                costly: list[str] = []
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
                     trial = view.canonical(self._with(changed[:mid]))
                     seen = view.observed(trial)
+                    if seen is None and not view.affordable(trial):
+                        # a bisection step the time left does not cover (its compilation): the knobs whose runs
+                        # cost much more than the baseline's leave the start, and the rest is measured on its own
+                        costly = [n for n in changed if view.costly(view.canonical(self._with([n])))]
+                        if costly:
+                            break
                     if seen is None:
                         why = f"blame: bisecting {len(changed)} knobs, the first {mid} on"
                         return stop(Proposal(trial, "blame", why), base)
@@ -234,18 +241,28 @@ class StrongStart:
                         lo = mid
                     else:
                         hi, failure = mid, seen
-                culprit = changed.pop(hi - 1)
-                value = self.start[culprit]
-                reason = _failure_text(failure)
-                blamed.append(Blame(culprit, value, reason))
-                path.append(Step("blame", f"blamed {culprit}={_text(value)}: {reason}"))
-                what = "start without the blamed knobs"
+                if costly:
+                    for name in costly:
+                        changed.remove(name)
+                    left = ", ".join(f"{n}={_text(self.start[n])}" for n in costly)
+                    path.append(Step("skip", f"{left} left out of the start: the time left does not cover bisecting "
+                                             "with it"))
+                    what = "start without the knobs the time left does not cover"
+                else:
+                    culprit = changed.pop(hi - 1)
+                    value = self.start[culprit]
+                    reason = _failure_text(failure)
+                    blamed.append(Blame(culprit, value, reason))
+                    path.append(Step("blame", f"blamed {culprit}={_text(value)}: {reason}"))
+                    what = "start without the blamed knobs"
             current = view.canonical(self._with(changed))
             if view.same(current, base):
                 break
             got = view.observed(current)
             if got is None:
-                why = "the start configuration without " + ", ".join(f"{b.knob}={_text(b.value)}" for b in blamed)
+                why = "the start configuration without " + ", ".join(
+                    [f"{b.knob}={_text(b.value)}" for b in blamed] + (["the knobs the time left does not cover"]
+                                                                      if what.endswith("cover") else []))
                 return stop(Proposal(current, "start", why), base)
             path.append(Step("start", f"{what}: {label(current, self.space)}", current, _speed(got)))
         return current
