@@ -53,13 +53,15 @@ def test_the_knob_reaches_fabrics_precision_plugin_unless_the_launcher_chose(lau
 def test_a_model_fabric_set_up_is_compiled_through_its_wrapper(monkeypatch):
     # a training function that gets the model after fabric.setup() compiles what it has: Fabric's wrapper, which
     # hands every attribute to the module it wraps (compiling the wrapper in place recursed without end)
+    import sys
+
     import lightning as L
     import torch
+    import torch._dynamo
 
     from autotune import knob_values
     from autotune.runtime_helpers import compile_model
 
-    monkeypatch.setattr(knob_values, "_loaded", lambda: {"compile.mode": "default"})
     class Net(torch.nn.Module):  # a graph break in forward, as torch.nn.Transformer has (its mask check)
         def __init__(self):
             super().__init__()
@@ -71,15 +73,21 @@ def test_a_model_fabric_set_up_is_compiled_through_its_wrapper(monkeypatch):
                 h = h * 0
             return self.b(torch.nn.functional.gelu(h))
 
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    module = Net()
-    keys = list(module.state_dict())
-    model = fabric.setup_module(module)
-    x = torch.randn(4, 8)
-    eager = model(x)
-    assert compile_model(model) is model
-    assert module._compiled_call_impl is not None  # the module Fabric runs, compiled in place
-    fabric.backward(model(x).sum())
-    torch.testing.assert_close(model(x), eager)
-    assert list(module.state_dict()) == keys
+    monkeypatch.setattr(knob_values, "_loaded", lambda: {"compile.mode": "default"})
+    limit = sys.getrecursionlimit()  # compiling in this process raises it: put back for the tests after this one
+    try:
+        fabric = L.Fabric(accelerator="cpu", devices=1)
+        torch.manual_seed(0)
+        module = Net()
+        keys = list(module.state_dict())
+        model = fabric.setup_module(module)
+        x = torch.randn(4, 8)
+        eager = model(x)
+        assert compile_model(model) is model
+        assert module._compiled_call_impl is not None  # the module Fabric runs, compiled in place
+        fabric.backward(model(x).sum())
+        torch.testing.assert_close(model(x), eager)
+        assert list(module.state_dict()) == keys
+    finally:
+        torch._dynamo.reset()
+        sys.setrecursionlimit(limit)
