@@ -20,7 +20,7 @@ from autotune.bound import is_bound, statement_binds, statement_reads, unbound
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.transform import Edits, Mode, Site, Status, Transform, all_transforms
-from autotune.syntax import is_docstring, stmt, walk
+from autotune.syntax import enclosing_if, is_docstring, stmt, walk
 
 CONFIG_NAME = "autotune.yaml"
 DIFF_NAME = "patch.diff"
@@ -281,16 +281,8 @@ def _steps_on_condition(facts: ModuleFacts, loop: cst.CSTNode, scope: StepScope)
     if not scope.steps or not scope.backward:
         return False
     for call in scope.steps:
-        child: cst.CSTNode = call
-        for node in facts.ancestors(call):
-            if node is loop or node is scope.owner:
-                return False
-            if isinstance(node, cst.If) and facts.contains(node.body, child):
-                if any(facts.contains(node, b) for b in scope.backward):
-                    return False
-                break
-            child = node
-        else:
+        condition = enclosing_if(facts, call, loop, scope.owner)
+        if condition is None or any(facts.contains(condition, b) for b in scope.backward):
             return False
     return True
 

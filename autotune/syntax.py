@@ -235,13 +235,32 @@ def bound_names(target: cst.BaseExpression) -> Iterator[str]:
         yield from bound_names(target.value)
 
 
+def names_variable(facts: ModuleFacts, name: cst.Name) -> bool:
+    """Whether ``name`` names a variable, read or bound (not the attribute of ``opt.step``, nor the keyword of
+    ``f(step=1)``)."""
+    parent = facts.parent(name)
+    if isinstance(parent, cst.Attribute) and parent.attr is name:
+        return False
+    return not (isinstance(parent, (cst.Arg, cst.Param)) and getattr(parent, "keyword", None) is name)
+
+
+def enclosing_if(facts: ModuleFacts, node: cst.CSTNode, *stops: cst.CSTNode) -> cst.If | None:
+    """The innermost ``if`` whose body (not its ``else``) holds ``node``, met before any of ``stops``."""
+    child: cst.CSTNode = node
+    for parent in facts.ancestors(node):
+        if any(parent is stop for stop in stops):
+            return None
+        if isinstance(parent, cst.If) and facts.contains(parent.body, child):
+            return parent
+        child = parent
+    return None
+
+
 def names_read(facts: ModuleFacts, owner: cst.CSTNode) -> Iterator[cst.Name]:
     """The Name nodes under ``owner`` that read a variable (not assignment targets, attributes or keywords)."""
     for name in facts.nodes_in(owner, cst.Name):
         parent = facts.parent(name)
-        if isinstance(parent, cst.Attribute) and parent.attr is name:
-            continue
-        if isinstance(parent, (cst.Arg, cst.Param)) and (getattr(parent, "keyword", None) is name or getattr(parent, "name", None) is name):
+        if not names_variable(facts, name) or (isinstance(parent, cst.Param) and parent.name is name):
             continue
         if isinstance(parent, (cst.FunctionDef, cst.ClassDef, cst.ImportAlias, cst.AsName)):
             continue

@@ -11,7 +11,7 @@ from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.project import TrainingLoop
-from autotune.syntax import argument, assignments, scope_of, stmt, walk
+from autotune.syntax import argument, assignments, enclosing_if, names_variable, scope_of, stmt, walk
 from autotune.transform import Edits, Status, Transform
 
 DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
@@ -91,7 +91,7 @@ class BatchSplit(Transform):
         if not scopes or not isinstance(node, cst.For):
             return None
         scope = scopes[-1]
-        conditions = [a for call in scope.steps for a in _ifs(facts, call, node)]
+        conditions = [a for call in scope.steps if (a := enclosing_if(facts, call, node)) is not None]
         if not conditions:
             return None  # the optimizer steps on every batch: nothing accumulates
         if_ = conditions[0]
@@ -101,7 +101,7 @@ class BatchSplit(Transform):
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return if_, "the batch split is already a knob"
         for n in facts.nodes_in(node.body, cst.Name):
-            if n.value == counter and _variable(facts, n) and not facts.contains(if_.test, n):
+            if n.value == counter and names_variable(facts, n) and not facts.contains(if_.test, n):
                 line = _line(facts, n)
                 return n, f"{counter} counts micro-batches (line {line}): the split changes it"
         accumulation = _accumulation(facts, if_.test, counter, _start(node))
@@ -179,18 +179,6 @@ def _summed_loss(project) -> str | None:
     return None
 
 
-def _ifs(facts: ModuleFacts, call: cst.Call, loop: cst.For) -> list[cst.If]:
-    """The innermost ``if`` around an optimizer step inside ``loop``, where the step is in its body."""
-    child: cst.CSTNode = call
-    for node in facts.ancestors(call):
-        if node is loop:
-            return []
-        if isinstance(node, cst.If) and facts.contains(node.body, child):
-            return [node]
-        child = node
-    return []
-
-
 def _enumerated(loop: cst.For) -> tuple[str | None, str | None]:
     """(counter, loader) of ``for i, batch in enumerate(loader)``."""
     it, target = loop.iter, loop.target
@@ -236,14 +224,6 @@ def _line(facts: ModuleFacts, node: cst.CSTNode) -> int:
     """The line of the statement that holds ``node``."""
     at = facts.statement_of(node)
     return facts.position(at.body[0] if isinstance(at, cst.SimpleStatementLine) and at.body else at)[0]
-
-
-def _variable(facts: ModuleFacts, name: cst.Name) -> bool:
-    """Whether ``name`` names a variable (not the attribute of ``opt.step`` or the keyword of ``f(step=1)``)."""
-    parent = facts.parent(name)
-    if isinstance(parent, cst.Attribute) and parent.attr is name:
-        return False
-    return not (isinstance(parent, (cst.Arg, cst.Param)) and getattr(parent, "keyword", None) is name)
 
 
 def _plain(node: cst.BaseExpression) -> bool:
