@@ -866,9 +866,44 @@ def no_sync(model, final_micro_step: bool):
 # --- non_blocking (transforms/non_blocking.py) ----------------------------------------------------
 
 
-def non_blocking() -> bool:
-    """Whether host-to-device copies in the loop are asynchronous."""
-    return bool(knob("non_blocking.enabled"))
+_TAKES: dict[type, bool] = {}
+_NOTHING = object()
+_copies: dict[str, int] = {}  # "async": copies made asynchronous, "refused": receivers whose method takes no flag
+
+
+def non_blocking(receiver: Any = _NOTHING) -> dict[str, bool]:
+    """The keyword arguments that make a host-to-device copy asynchronous: none where the knob is off (the call as
+    written), and none where ``receiver``'s ``.to`` takes no ``non_blocking`` (a batch class of the script's own, a
+    tokenizer's BatchEncoding in transformers 4). The knob counts as applied only where no receiver refused it: its
+    baked form writes non_blocking=True at every site."""
+    if not knob("non_blocking.enabled", record=False):
+        return {}
+    import torch
+
+    if receiver is not _NOTHING and not isinstance(receiver, (torch.Tensor, torch.nn.Module)):
+        kind = type(receiver)
+        if kind not in _TAKES:
+            _TAKES[kind] = _takes_non_blocking(kind)
+        if not _TAKES[kind]:
+            _copies["refused"] = _copies.get("refused", 0) + 1
+            return {}
+    _copies["async"] = _copies.get("async", 0) + 1
+    return {"non_blocking": True}
+
+
+def _takes_non_blocking(kind: type) -> bool:
+    import inspect
+
+    method = getattr(kind, "to", None)
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return method is not None  # a builtin's signature is not read: as torch's own
+    return any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+reports_applied(lambda: ["non_blocking.enabled"] if _copies.get("async") and not _copies.get("refused") else [])
+on_reset(_copies.clear)
 
 
 # --- sdpa (transforms/sdpa.py) --------------------------------------------------------------------

@@ -7,7 +7,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, is_literal, keyword, kwarg
+from autotune.syntax import add_args, is_literal, keyword, kwarg, star_kwargs
 from autotune.transforms._sites import (
     device_arg,
     in_regions,
@@ -73,7 +73,7 @@ class NonBlocking(Transform):
                 continue
             written = self._non_blocking(call, func.attr.value)
             if written is not None:
-                if is_literal(written, True) or facts.is_runtime_call(written, "non_blocking"):
+                if is_literal(written, True):
                     self.report(facts, call, Status.PRESENT, f"{what} is already non_blocking")
                 else:
                     self.report(
@@ -81,16 +81,24 @@ class NonBlocking(Transform):
                     )
                 continue
             if any(a.star for a in call.args):
+                if any(a.star == "**" and facts.is_runtime_call(a.value, "non_blocking") for a in call.args):
+                    self.report(facts, call, Status.PRESENT, f"{what} is already non_blocking")
+                    continue
                 self.report(facts, call, Status.NOT_APPLICABLE, f"{what} passes its own arguments")
                 continue
             self.report(facts, call, Status.APPLICABLE, f"{what} is a synchronous host-to-device copy")
             if self.mode.gated:
-                value = f"{edits.runtime('non_blocking')}()"
+                # ``**{}`` at the default: the call as written, for any object whose ``.to`` the script calls (a
+                # tokenizer's BatchEncoding of transformers 4 takes no non_blocking); the receiver, where it is a
+                # plain name or subscript, is shown to the runtime, which passes non_blocking only where its
+                # method takes it
+                receiver = facts.code(func.value) if _plain(func.value) else ""
+                new = star_kwargs(f"{edits.runtime('non_blocking')}({receiver})")
             elif self.mode.value(self.knobs[0]):
-                value = "True"
+                new = kwarg("non_blocking", "True")
             else:
                 continue
-            edits.rewrite(call, lambda node, value=value: add_args(node, kwarg("non_blocking", value)))
+            edits.rewrite(call, lambda node, new=new: add_args(node, new))
 
     @staticmethod
     def _non_blocking(call: cst.Call, method: str) -> cst.BaseExpression | None:
@@ -110,6 +118,21 @@ class NonBlocking(Transform):
             return is_host_device(facts, device.value)
         positional = [a.value for a in call.args if a.keyword is None and not a.star]
         return bool(positional) and is_host_device(facts, positional[0])
+
+
+def _plain(node: cst.BaseExpression) -> bool:
+    """A name, an attribute of one or a subscript by a name or constant (``x``, ``batch.x``, ``batch["x"]``):
+    evaluated a second time, it is the same object, and nothing runs twice."""
+    while True:
+        if isinstance(node, cst.Name):
+            return True
+        if isinstance(node, cst.Attribute):
+            node = node.value
+        elif isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
+                and isinstance(node.slice[0].slice.value, (cst.Name, cst.SimpleString, cst.Integer)):
+            node = node.value
+        else:
+            return False
 
 
 # Device names a branch test compares with: any but "cuda" means the branch runs off CUDA.
@@ -162,9 +185,45 @@ def _branch_devices(facts: ModuleFacts, test: cst.BaseExpression) -> tuple[str |
 
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
 
-from autotune.knob_values import knob
+from typing import Any
+
+from autotune.knob_values import knob, on_reset, reports_applied
+
+_TAKES: dict[type, bool] = {}
+_NOTHING = object()
+_copies: dict[str, int] = {}  # "async": copies made asynchronous, "refused": receivers whose method takes no flag
 
 
-def non_blocking() -> bool:
-    """Whether host-to-device copies in the loop are asynchronous."""
-    return bool(knob("non_blocking.enabled"))
+def non_blocking(receiver: Any = _NOTHING) -> dict[str, bool]:
+    """The keyword arguments that make a host-to-device copy asynchronous: none where the knob is off (the call as
+    written), and none where ``receiver``'s ``.to`` takes no ``non_blocking`` (a batch class of the script's own, a
+    tokenizer's BatchEncoding in transformers 4). The knob counts as applied only where no receiver refused it: its
+    baked form writes non_blocking=True at every site."""
+    if not knob("non_blocking.enabled", record=False):
+        return {}
+    import torch
+
+    if receiver is not _NOTHING and not isinstance(receiver, (torch.Tensor, torch.nn.Module)):
+        kind = type(receiver)
+        if kind not in _TAKES:
+            _TAKES[kind] = _takes_non_blocking(kind)
+        if not _TAKES[kind]:
+            _copies["refused"] = _copies.get("refused", 0) + 1
+            return {}
+    _copies["async"] = _copies.get("async", 0) + 1
+    return {"non_blocking": True}
+
+
+def _takes_non_blocking(kind: type) -> bool:
+    import inspect
+
+    method = getattr(kind, "to", None)
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return method is not None  # a builtin's signature is not read: as torch's own
+    return any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+reports_applied(lambda: ["non_blocking.enabled"] if _copies.get("async") and not _copies.get("refused") else [])
+on_reset(_copies.clear)
