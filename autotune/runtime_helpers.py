@@ -26,6 +26,8 @@ __all__ = [
     'LIGHTNING_SETTINGS',
     'OFF',
     'PREFETCH_MEMBER',
+    'SWITCHED_OFF',
+    'SWITCHES',
     'VARIABLES',
     'WITH_WORKERS',
     'accelerator_args',
@@ -61,6 +63,7 @@ __all__ = [
     'hf_trainer_args',
     'hf_trainer_defaults',
     'hf_trainer_resolved',
+    'hf_trainer_switch',
     'lightning_settings',
     'lightning_trainer_args',
     'lightning_trainer_resolved',
@@ -628,6 +631,26 @@ HF_SETTINGS = {
 # DataLoader persistent workers (a script's own worker count is not known where the arguments are built)
 WITH_WORKERS = ("dataloader_prefetch_factor", "dataloader_persistent_workers")
 FUSED = "adamw_torch_fused"
+# the settings a script may switch itself (``TrainingArguments(bf16=args.bf16)``), and the values that mean off
+SWITCHES = ("precision", "tf32", "torch_compile")
+SWITCHED_OFF = (None, False)
+_script_chose: set[str] = set()  # settings whose switch the script turned on itself in this run
+
+
+def hf_trainer_switch(setting: str, script_value: Any, keyword: str | None = None, *others: Any) -> Any:
+    """``bf16=args.bf16`` (``keyword``; ``others``: the script's values for the setting's other flags, fp16's) or
+    ``tf32=args.tf32``: the script's value where any of its switches for the setting is on; where all are off, True
+    for the knob's choice (the flag named ``keyword``, where the setting has several)."""
+    value = knob(f"hf_trainer.{setting}", record=False)
+    if script_value not in SWITCHED_OFF or any(o not in SWITCHED_OFF for o in others):
+        _script_chose.add(setting)
+        return script_value
+    if value == default(f"hf_trainer.{setting}") or (keyword is not None and value != keyword):
+        return script_value
+    return True  # counted where the Trainer's resolved arguments hold it: hf_trainer_resolved
+
+
+on_reset(_script_chose.clear)
 
 
 def hf_settings(values: dict[str, Any], default_optim: str | None) -> dict[str, Any]:
@@ -738,10 +761,11 @@ def hf_trainer_resolved(args: Any) -> None:
     """Record the knobs whose setting the Trainer's resolved TrainingArguments ``args`` hold: read back from the
     framework's own object, so that a value the command line or the script gave instead does not count."""
     precision = knob("hf_trainer.precision", record=False)
-    if precision != "default" and getattr(args, precision, False) is True:
+    if precision != "default" and getattr(args, precision, False) is True and "precision" not in _script_chose:
         took_effect("hf_trainer.precision")
     for setting in ("tf32", "torch_compile"):
-        if knob(f"hf_trainer.{setting}", record=False) and getattr(args, setting, None) is True:
+        if knob(f"hf_trainer.{setting}", record=False) and getattr(args, setting, None) is True \
+                and setting not in _script_chose:
             took_effect(f"hf_trainer.{setting}")
     optim = knob("hf_trainer.optim", record=False)
     resolved = getattr(args, "optim", None)

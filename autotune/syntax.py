@@ -50,8 +50,11 @@ def add_args(call: cst.Call, *new: cst.Arg) -> cst.Call:
         return call.with_changes(args=[*(a.with_changes(comma=space) for a in new[:-1]), new[-1]])
     last_comma = args[-1].comma
     if last_comma is cst.MaybeSentinel.DEFAULT:
-        args[-1] = args[-1].with_changes(comma=space)
-        return call.with_changes(args=[*args, *(a.with_changes(comma=space) for a in new[:-1]), new[-1]])
+        # the line break before the closing parenthesis, where there is one, stays before it
+        closing = args[-1].whitespace_after_arg
+        args[-1] = args[-1].with_changes(comma=space, whitespace_after_arg=cst.SimpleWhitespace(""))
+        return call.with_changes(args=[*args, *(a.with_changes(comma=space) for a in new[:-1]),
+                                       new[-1].with_changes(whitespace_after_arg=closing)])
     # a trailing comma: the whitespace between arguments is the one before the last argument; a comment at the end
     # of a line stays with the argument it follows
     between = args[-2].comma if len(args) > 1 else cst.Comma(whitespace_after=call.whitespace_before_args)

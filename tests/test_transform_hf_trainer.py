@@ -21,7 +21,7 @@ from autotune.transform import Status
 PLAIN_ARGS = ["--steps", "40"]
 PARSED_ARGS = ["--output_dir", "out", "--max_steps", "40", "--report_to", "none", "--do_train", "--save_strategy", "no",
                "--use_cpu"]
-ARGS = {"plain": PLAIN_ARGS, "parsed": PARSED_ARGS}
+ARGS = {"plain": PLAIN_ARGS, "parsed": PARSED_ARGS, "switched": PLAIN_ARGS}
 
 
 def _patched_script(tmp_path: Path, name: str) -> Path:
@@ -131,7 +131,7 @@ def test_patch_is_idempotent_on_the_whole_script(tmp_path):
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["plain", "parsed"])
+@pytest.mark.parametrize("name", ["plain", "parsed", "switched"])
 def test_the_patched_script_at_its_defaults_trains_exactly_like_the_original(name, tmp_path):
     original = losses(tmp_path, "original", case("hf_trainer", name).read_text(), args=ARGS[name])
     patched = losses(tmp_path, "patched", _patched_script(tmp_path, name).read_text(), args=ARGS[name])
@@ -190,6 +190,26 @@ def test_a_value_given_on_the_command_line_wins_over_the_knob(tmp_path):
     result = trial(script, given, tmp_path, knobs=knobs, warmup=1, steps=1)
     assert result["status"] == "ok", result["error"]
     assert result["applied"] == []
+
+
+def test_the_scripts_own_switches_into_training_arguments_become_the_knobs():
+    # bf16=args.bf16, fp16=args.fp16, tf32=args.tf32, torch_compile=args.compile: present, switched off
+    reasons = [s.reason for s in sites("hf_trainer", "switched") if s.status is Status.APPLICABLE]
+    assert reasons[0].startswith("bf16=args.bf16, fp16=args.fp16: the script's own switch (present, switched off ")
+    assert reasons[1].startswith("tf32=args.tf32: the script's own switch")
+    assert reasons[2].startswith("torch_compile=args.compile: the script's own switch")
+    assert reasons[3] == ("TrainingArguments: optim, dataloader_num_workers, dataloader_prefetch_factor, "
+                          "dataloader_persistent_workers, gradient_checkpointing become knobs")
+
+
+def test_a_switched_off_flag_is_turned_on_by_the_knob_and_a_flag_the_user_turns_on_wins(tmp_path):
+    knobs = {"hf_trainer.precision": "bf16"}
+    script = _patched_script(tmp_path, "switched")
+    result = trial(script, PLAIN_ARGS, tmp_path, knobs=knobs, warmup=1, steps=1)
+    assert result["status"] == "ok" and result["applied"] == ["hf_trainer.precision"], result["error"]
+    # read back from the Trainer's resolved arguments: the user's own --bf16 is their choice, not the knob's
+    result = trial(script, [*PLAIN_ARGS, "--bf16"], tmp_path, knobs=knobs, warmup=1, steps=1)
+    assert result["status"] == "ok" and result["applied"] == [], result["error"]
 
 
 def test_the_batch_split_becomes_a_knob_where_the_trainer_is_built():

@@ -44,7 +44,10 @@ def keyword_settings(
     ``switches``: setting -> (runtime helper, the values that mean off) for the settings a script may switch itself
     (``mixed_precision=args.mixed_precision``): its switch becomes the knob, which sets the value only where the
     script's is off in a run; gated ``_autotune.<helper>("<setting>", <value>)``, baked ``<value> if <value> not
-    in <off> else <choice>``.
+    in <off> else <choice>``. A setting decided by several keywords, each a flag (TrainingArguments' ``bf16=args.bf16,
+    fp16=args.fp16``), switches each keyword it chooses, only where all the script's flags for it are off: gated
+    ``_autotune.<helper>("<setting>", <value>, "<keyword>", <the others' values>...)``, baked ``<value> if <value>
+    not in <off> or <other> not in <off> else True``.
     """
     if any(facts.is_runtime_call(a.value, helper) for a in call.args if a.star == "**"):
         transform.report(facts, call, Status.PRESENT, f"{what} settings are already knobs")
@@ -60,23 +63,32 @@ def keyword_settings(
     for setting, keywords in settings.items():
         given = [k for k in keywords if k in written]
         switch = (switches or {}).get(setting)
-        if switch is not None and len(given) == 1 and facts.is_runtime_call(written[given[0]], switch[0]):
+        if switch is not None and any(facts.is_runtime_call(written[k], switch[0]) for k in given):
             kept.append(setting)
             transform.report(facts, call, Status.PRESENT, f"{what} settings are already knobs")
-        elif switch is not None and len(given) == 1 and not is_constant(written[given[0]]):
+        elif switch is not None and _switchable(transform, setting, keywords, given, written):
             kept.append(setting)
-            keyword, value = given[0], facts.code(written[given[0]])
+            values = {k: facts.code(written[k]) for k in given}
             off = " or ".join(map(code_of, switch[1]))
+            shown = ", ".join(f"{k}={v}" for k, v in values.items())
+            each = "it is" if len(given) == 1 else "each is"
             transform.report(facts, call, Status.APPLICABLE, (
-                f"{keyword}={value}: the script's own switch (present, switched off where it is {off}), which the "
+                f"{shown}: the script's own switch (present, switched off where {each} {off}), which the "
                 f"{transform.name}.{setting} knob turns on there"))
-            if transform.mode.gated:
-                transform.settings_read.add(setting)
-                switched[keyword] = (setting, f'{edits.runtime(switch[0])}("{setting}", {value})')
-            elif transform.mode.value(transform.knob(setting)) != transform.knob(setting).default:
-                offs = f"({', '.join(map(code_of, switch[1]))}{',' if len(switch[1]) == 1 else ''})"
-                choice = code_of(transform.mode.value(transform.knob(setting)))
-                switched[keyword] = (setting, f"{value} if {value} not in {offs} else {choice}")
+            offs = f"({', '.join(map(code_of, switch[1]))}{',' if len(switch[1]) == 1 else ''})"
+            choice = None if transform.mode.gated else transform.mode.value(transform.knob(setting))
+            for keyword, value in values.items():
+                others = [v for k, v in values.items() if k != keyword]
+                flag = keyword in transform.knob(setting).choices  # a flag per choice: it turns on its choice
+                if transform.mode.gated:
+                    transform.settings_read.add(setting)
+                    rest = f', "{keyword}"' + "".join(f", {o}" for o in others) if flag else ""
+                    switched[keyword] = (setting, f'{edits.runtime(switch[0])}("{setting}", {value}{rest})')
+                    continue
+                baked_choice = ("True" if choice == keyword else None) if flag else code_of(choice)
+                if choice != transform.knob(setting).default and baked_choice is not None:
+                    test = " or ".join(f"{v} not in {offs}" for v in (value, *others))
+                    switched[keyword] = (setting, f"{value} if {test} else {baked_choice}")
         elif given:
             kept.append(setting)
             code = ", ".join(f"{k}={facts.code(written[k])}" for k in given)
@@ -105,6 +117,17 @@ def keyword_settings(
         return add_args(node, *extra) if extra else node
 
     edits.rewrite(call, rewrite)
+
+
+def _switchable(transform: Transform, setting: str, keywords: tuple[str, ...], given: list[str],
+                written: dict[str, cst.BaseExpression]) -> bool:
+    """Whether the script's keywords for ``setting`` are its own switch: each given as a variable, and either the
+    setting's own keyword alone (``torch_compile=args.compile``, not with a ``torch_compile_mode``) or flags that
+    each name a choice of the knob (``bf16=args.bf16, fp16=args.fp16``)."""
+    if not given or any(is_constant(written[k]) for k in given):
+        return False
+    flags = [k for k in keywords if k in transform.knob(setting).choices]
+    return set(given) <= set(flags) if flags else given == [keywords[0]]
 
 
 def searched(transform: Transform, setting: str) -> bool:
