@@ -181,13 +181,17 @@ def _unbound_read(facts: ModuleFacts, edits: Edits) -> str | None:
     """Why a statement ``edits`` inserts could raise NameError: a name it reads that some path leaves unbound."""
     added = [s for group in (*edits.before.values(), *edits.after.values()) for s in group]
     ours = {RUNTIME_ALIAS, *(m.split(".")[0] for m in edits.imports)}
-    for s in [*edits.top, *edits.post_imports, *added]:
+    for s in [*edits.top, *edits.post_imports]:
         ours |= statement_binds(s)
+    binds = [statement_binds(s) for s in added]
     for placed, after in ((edits.before, False), (edits.after, True)):
         for anchor, stmts in placed.items():
             for s in stmts:
+                # names the other inserted statements bind; not the ones this one binds from its own reads
+                # (``a, b = f(a, b)`` needs a and b bound before it)
+                others = ours.union(*(b for t, b in zip(added, binds) if t is not s))
                 for name in statement_reads(s):
-                    if name not in ours and not is_bound(facts, anchor, name, after):
+                    if name not in others and not is_bound(facts, anchor, name, after):
                         # ast gives positions of calls and compound statements, not of a line as a whole
                         line = facts.position(next(iter(facts.calls_in(anchor)), anchor))[0]
                         return f"{name} is not bound on every path to {facts.display}:{line}, where the edit reads it"

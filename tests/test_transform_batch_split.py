@@ -138,3 +138,89 @@ def test_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path):
     # 16 does not divide 8 accumulation steps: the script runs as written, and the knob is not counted
     odd = trial(script, ARGS, tmp_path, knobs={"batch_split.factor": 16}, warmup=1, steps=1)
     assert odd["status"] == "ok" and odd["applied"] == [] and odd["batch_size"] == 32
+
+
+# --- an inner micro-step loop: `for micro in range(accum):` --------------------------------------------------
+
+
+def test_an_inner_micro_step_loop_gets_the_knob():
+    (site,) = sites("batch_split", "sampled")  # nanoGPT's shape: get_batch draws torch.randint indices
+    assert (site.status, site.line) == (Status.APPLICABLE, 60)
+    assert site.reason.startswith("micro-batches of batch_size x gradient_accumulation_steps accumulation steps")
+    (site,) = sites("batch_split", "micro_loop")  # next() of a DataLoader's iterator, sizes as parameters
+    assert (site.status, site.line) == (Status.APPLICABLE, 17)
+    assert "micro_batch x accumulation" in site.reason
+
+
+SAMPLED = '''
+import torch
+from torch import nn
+batch_size = 4
+accum = 4
+data = torch.randn(256, 8)
+def get_batch():
+    ix = torch.randint(len(data), (batch_size,){device})
+    return data[ix]
+def evaluate(model):
+    return model({eval_batch}).mean()
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{extra}
+for it in range(20):
+    for micro in range(accum):
+        loss = model(get_batch()).pow(2).mean() / accum
+        loss.backward()
+        {inside}
+    opt.step()
+    opt.zero_grad()
+    print(evaluate(model))
+'''
+
+
+def _scan_sampled(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
+    fields = {"device": "", "eval_batch": "data[:32]", "extra": "", "inside": "pass"}
+    fields.update(parts)
+    script = tmp_path / "train.py"
+    script.write_text(SAMPLED.format(**fields))
+    return [(s.status, s.reason) for s in run(load_project(script), select(["batch_split"]), hooks=False).sites]
+
+
+@pytest.mark.parametrize("parts, reason", [
+    ({}, None),
+    ({"inside": "if micro == accum - 1: pass"}, None),  # the last micro-step stays the last one
+    ({"extra": "print(batch_size * accum, 'samples per step')"}, None),  # their product does not change
+    # nanoGPT's estimate_loss draws its evaluation batches through get_batch: the split would change them
+    ({"eval_batch": "get_batch()"}, "get_batch() is also called at line 10: a bigger batch_size would change what it "
+                                    "draws there, and the draws after it"),
+    ({"device": ", device='cuda'"}, "torch.randint(device='cuda'): a bigger draw on an accelerator's generator is not "
+                                    "the smaller draws it replaces"),
+    ({"inside": "print(micro)"}, "micro counts micro-batches (line 19): the split changes it"),
+    ({"extra": "print(batch_size)"}, "batch_size is also read at line 14: the split would change it"),
+    # nanoGPT's configurator: exec() rebinds module settings from the command line
+    ({"extra": "exec('accum = 8')"}, "exec() at line 14 may rebind batch_size and accum: their values where the split "
+                                     "is made are not known"),
+])
+def test_an_inner_loop_is_split_only_where_its_draws_stay_the_same(tmp_path, parts, reason):
+    expected = [(Status.APPLICABLE, None)] if reason is None else [(Status.NOT_APPLICABLE, reason)]
+    found = _scan_sampled(tmp_path, **parts)
+    assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == expected
+
+
+@pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants"])
+def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_path, name):
+    # constants: the split of two module-level settings goes after the second (it once went between them)
+    original = losses(tmp_path, "original", case("batch_split", name).read_text())
+    patched = losses(tmp_path, "patched", _patched_script(tmp_path, name).read_text())
+    assert patched == original
+
+
+@pytest.mark.parametrize("name", ["sampled", "micro_loop"])
+def test_an_inner_loops_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path, name):
+    # sampled: one torch.randint draw of 4 x 4 indices on the CPU generator is the four draws of 4 it replaces
+    script = _patched_script(tmp_path, name)
+    base = trial(script, [], tmp_path, warmup=1, steps=3)
+    split = trial(script, [], tmp_path, knobs={"batch_split.factor": 4}, warmup=1, steps=3)
+    assert base["status"] == split["status"] == "ok", split["error"]
+    assert split["applied"] == ["batch_split.factor"] and base["applied"] == []
+    flat = [v for row in split["losses"] for v in row]
+    assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)

@@ -38,6 +38,7 @@ class _Split:
     micro: str  # how the script spells the micro-batch size: ``args.batch_size``
     accumulation: str  # and the accumulation steps: ``args.accum``
     after: cst.BaseStatement  # both are bound (once) by here, and not yet read
+    first: bool = False  # both are parameters of the function: the split goes before ``after``, its first statement
 
 
 class BatchSplit(Transform):
@@ -74,12 +75,13 @@ class BatchSplit(Transform):
                 "optimizer step's samples becomes a knob (bigger micro-batches, fewer accumulation steps, the same "
                 "samples in the same order)"))
             pair = f"{found.micro}, {found.accumulation}"
+            insert = edits.insert_before if found.first else edits.insert_after
             if self.mode.gated:
-                edits.insert_after(found.after, stmt(f"{pair} = {edits.runtime('batch_split')}({pair})\n"))
+                insert(found.after, stmt(f"{pair} = {edits.runtime('batch_split')}({pair})\n"))
                 continue
             k = self.mode.value(self.knobs[0])
             if k != 1:
-                edits.insert_after(found.after, stmt(
+                insert(found.after, stmt(
                     f"if {found.accumulation} % {k} == 0:  # autotune: micro-batch x{k}, accumulation /{k}: same "
                     f"samples per step\n    {pair} = {found.micro} * {k}, {found.accumulation} // {k}\n"))
 
@@ -88,9 +90,14 @@ class BatchSplit(Transform):
         over the batches it iterates."""
         node = loop.node
         scopes = [s for s in loop.scopes if s.module is facts and s.steps]
-        if not scopes or not isinstance(node, cst.For):
+        if not scopes:
             return None
         scope = scopes[-1]
+        inner = _micro_loop(facts, node, scope)
+        if inner is not None:
+            return self._inner_split(facts, loop, scope, inner)
+        if not isinstance(node, cst.For):
+            return None
         conditions = [a for call in scope.steps if (a := enclosing_if(facts, call, node)) is not None]
         if not conditions:
             return None  # the optimizer steps on every batch: nothing accumulates
@@ -142,6 +149,50 @@ class BatchSplit(Transform):
             return built, after
         return _Split(micro_code, code, after)
 
+    def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> _Split | tuple[cst.CSTNode, str]:
+        """The split of an inner micro-batch loop, ``for micro in range(accum):`` holding the backward and not the
+        optimizer step, whose micro-batches come from ``next(iterator)`` of a DataLoader or from a function of the
+        script's own that draws ``torch.randint(..., (batch_size,))`` indices (nanoGPT's ``get_batch``)."""
+        accumulation = inner.iter.args[0].value  # type: ignore[attr-defined]
+        code = facts.code(accumulation)
+        if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
+            return inner, "the batch split is already a knob"
+        counter = inner.target.value if isinstance(inner.target, cst.Name) else None
+        for n in facts.nodes_in(inner.body, cst.Name):
+            if n.value == counter and names_variable(facts, n) and not _last_micro_test(facts, n, code):
+                return n, f"{counter} counts micro-batches (line {_line(facts, n)}): the split changes it"
+        if not any(_divides(facts, n, code) for n in walk(inner.body, itself=True)):
+            return inner, f"the loss is not divided by {code}: the split would change the gradient's scale"
+        source = _micro_source(facts, loop, inner)
+        if isinstance(source[1], str):
+            return source
+        micro, before = source
+        micro_code = facts.code(micro)
+        for call in facts.calls:
+            if isinstance(call.func, cst.Name) and call.func.value in ("exec", "globals") and \
+                    facts.qualname(call.func) in (call.func.value, f"builtins.{call.func.value}", None):
+                return call, (f"{call.func.value}() at line {_line(facts, call)} may rebind {micro_code} and {code}: "
+                              "their values where the split is made are not known")
+        losses = {facts.code(e) for e in scope.loss_exprs()}
+        first = _parameters(facts, [micro_code, code], before)
+        within = facts.function_of(before) if first is not None else None  # parameters: read in their function only
+        for expr_code, own, partner in ((micro_code, micro, code), (code, accumulation, micro_code)):
+            other = _other_use(facts, expr_code, own, inner, losses if own is accumulation else set(), partner, within)
+            if other is not None:
+                return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+        layer = self._per_micro_batch()
+        if layer is not None:
+            return inner, layer
+        summed = _summed_loss(self.project)
+        if summed is not None:
+            return inner, summed
+        if first is not None:
+            return _Split(micro_code, code, first, first=True)
+        after = _bound_once(facts, [micro_code, code], before)
+        if isinstance(after, str):
+            return inner, after.replace("before the DataLoader", "before the micro-batches are drawn")
+        return _Split(micro_code, code, after)
+
     def _per_micro_batch(self) -> str | None:
         """Why the model trains differently on other micro-batches of the same samples, if it may."""
         for facts in self.project.modules:
@@ -177,6 +228,133 @@ def _summed_loss(project) -> str | None:
                 return (f"{facts.code(call.func)}(reduction=\"sum\") at {facts.display}:{facts.position(call)[0]}: a "
                         "loss summed over samples, which the split would scale")
     return None
+
+
+def _micro_loop(facts: ModuleFacts, loop: cst.For | cst.While, scope) -> cst.For | None:
+    """The ``for micro in range(accum):`` loop inside ``loop`` that holds every backward of ``scope`` and none of
+    its optimizer steps, where ``accum`` is a variable or an attribute chain on one."""
+    if not scope.backward:
+        return None
+    for inner in facts.nodes_in(loop.body, cst.For):
+        if facts.function_of(inner) is not facts.function_of(loop):
+            continue
+        it = inner.iter
+        if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "range"
+                and len(it.args) == 1 and it.args[0].keyword is None and not it.args[0].star):
+            continue
+        if not all(facts.contains(inner.body, b) for b in scope.backward):
+            continue
+        if any(facts.contains(inner, step) for step in scope.steps):
+            continue
+        value = it.args[0].value
+        return inner if isinstance(value, (cst.Name, cst.Attribute)) and _plain(value) else None
+    return None
+
+
+def _last_micro_test(facts: ModuleFacts, name: cst.Name, accumulation: str) -> bool:
+    """``micro == accum - 1`` (the last micro-batch of a step, which a DDP script syncs on): still the last one after
+    a split."""
+    parent = facts.parent(name)
+    if not (isinstance(parent, cst.Comparison) and parent.left is name and len(parent.comparisons) == 1):
+        return False
+    target = parent.comparisons[0]
+    right = target.comparator
+    return (isinstance(target.operator, (cst.Equal, cst.NotEqual)) and isinstance(right, cst.BinaryOperation)
+            and isinstance(right.operator, cst.Subtract) and facts.code(right.left) == accumulation
+            and isinstance(right.right, cst.Integer) and right.right.value == "1")
+
+
+RANDINT = "torch.randint"
+
+
+def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For):
+    """(the micro-batch size's expression, the statement before which it must be split) for the batches drawn in
+    ``inner``, or (where, why not)."""
+    for call in facts.nodes_in(inner.body, cst.Call):
+        func = call.func
+        if isinstance(func, cst.Name) and func.value == "next" and call.args and isinstance(call.args[0].value, cst.Name):
+            return _from_iterator(facts, inner, call.args[0].value.value)
+        if isinstance(func, cst.Name):
+            defined = _function(facts, func.value)
+            if defined is not None and any(facts.qualname(c.func) == RANDINT for c in facts.nodes_in(defined, cst.Call)):
+                return _from_sampler(facts, loop, inner, defined)
+    return inner, ("the micro-batches of the inner loop come neither from next() of a DataLoader's iterator nor from a "
+                   "function of the script's that draws torch.randint indices: their size is not known")
+
+
+def _function(facts: ModuleFacts, name: str) -> cst.FunctionDef | None:
+    """The module-level ``def name`` of this module, if it is the only binding of ``name`` there."""
+    found = [d for d in facts.module.body if isinstance(d, cst.FunctionDef) and d.name.value == name]
+    return found[0] if len(found) == 1 else None
+
+
+def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str):
+    """``batch = next(it)`` where every binding of ``it`` is ``iter(loader)`` of one DataLoader."""
+    scope = scope_of(facts, inner)
+    bound = assignments(facts, scope, name) or assignments(facts, facts.module, name)
+    loaders = set()
+    for assign in bound:
+        value = assign.value
+        if not (isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "iter"
+                and value.args and isinstance(value.args[0].value, cst.Name)):
+            return assign, f"{name} = {facts.code(value)}: not iter() of a DataLoader, its batches' size is not known"
+        loaders.add(value.args[0].value.value)
+    if len(loaders) != 1:
+        return inner, f"next({name}): {name} is not bound to iter() of one DataLoader"
+    (loader,) = loaders
+    built = _loader_call(facts, inner, loader)
+    if isinstance(built, str):
+        return inner, built
+    micro = argument(built, 1, "batch_size")
+    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+        shown = facts.code(micro) if micro is not None else "DataLoader's default of 1"
+        return built, f"the batch size {shown} is not a variable or option of the script's own"
+    for keyword in ("batch_sampler", "sampler"):
+        if argument(built, None, keyword) is not None:
+            return built, f"{keyword}=: the samples of a micro-batch are the sampler's choice"
+    drop_last = argument(built, None, "drop_last")
+    if drop_last is not None and not (isinstance(drop_last, cst.Name) and drop_last.value == "False"):
+        return built, "drop_last: a bigger batch would drop another tail of each epoch"
+    return micro, facts.statement_of(built)
+
+
+def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, defined: cst.FunctionDef):
+    """``get_batch()`` whose body draws ``torch.randint(n, (batch_size,))`` with a global ``batch_size``: one draw of
+    k times as many indices on the CPU generator is the k draws it replaces, one after another. Every other call of
+    the function must be a fetch ahead of the loop (nanoGPT's first batch), or it would draw differently."""
+    name = defined.name.value
+    draws = [c for c in facts.nodes_in(defined, cst.Call) if facts.qualname(c.func) == RANDINT]
+    if len(draws) != 1:
+        return defined, f"{name}() draws torch.randint {len(draws)} times: which one is the micro-batch is not known"
+    draw = draws[0]
+    size = argument(draw, None, "size")
+    if size is None:
+        size = next((a.value for a in draw.args if a.keyword is None and isinstance(a.value, (cst.Tuple, cst.List))),
+                    None)
+    elements = size.elements if isinstance(size, (cst.Tuple, cst.List)) else ()
+    micro = elements[0].value if len(elements) == 1 else None
+    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+        shown = facts.code(size) if size is not None else "no size"
+        return draw, f"torch.randint's size {shown} is not (batch_size,) of a variable of the script's own"
+    base = micro.value if isinstance(micro, cst.Name) else facts.code(micro).split(".", 1)[0]
+    if assignments(facts, defined, base) or any(p.name.value == base for p in defined.params.params):
+        return draw, f"{base} is {name}()'s own: the micro-batch size is not a setting of the script"
+    device = argument(draw, None, "device")
+    if device is not None and not (isinstance(device, cst.SimpleString) and device.evaluated_value == "cpu"):
+        return draw, (f"torch.randint(device={facts.code(device)}): a bigger draw on an accelerator's generator is "
+                      "not the smaller draws it replaces")
+    calls = [c for c in facts.calls if isinstance(c.func, cst.Name) and c.func.value == name]
+    outer_function = facts.function_of(loop.outer)
+    for call in calls:
+        if facts.contains(inner, call):
+            continue
+        ahead = facts.function_of(call) is outer_function and facts.block_of(facts.statement_of(call)) is \
+            facts.block_of(loop.outer) and facts.position(call) < facts.position(loop.outer)
+        if not ahead:
+            return call, (f"{name}() is also called at line {_line(facts, call)}: a bigger {facts.code(micro)} would "
+                          "change what it draws there, and the draws after it")
+    first = min(calls, key=facts.position)
+    return micro, facts.statement_of(first)
 
 
 def _enumerated(loop: cst.For) -> tuple[str | None, str | None]:
@@ -222,8 +400,13 @@ def _accumulation(facts: ModuleFacts, test: cst.BaseExpression, counter: str, st
 
 def _line(facts: ModuleFacts, node: cst.CSTNode) -> int:
     """The line of the statement that holds ``node``."""
-    at = facts.statement_of(node)
-    return facts.position(at.body[0] if isinstance(at, cst.SimpleStatementLine) and at.body else at)[0]
+    return _at(facts, facts.statement_of(node))[0]
+
+
+def _at(facts: ModuleFacts, statement: cst.BaseStatement) -> tuple[int, int]:
+    """Where a statement is (a simple statement line has no position of its own: its first statement's)."""
+    return facts.position(statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and statement.body
+                          else statement)
 
 
 def _plain(node: cst.BaseExpression) -> bool:
@@ -254,15 +437,17 @@ def _loader_call(facts: ModuleFacts, loop: cst.For, loader: str) -> cst.Call | s
     return value
 
 
-def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, losses: set[str]) -> cst.CSTNode | None:
-    """A read of ``code`` other than ``own``, the loss division in ``loop`` and the loss scaled back for a log line
-    (``loss.item() * accum``: the last micro-batch's mean loss, whatever its size), or None."""
+def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, losses: set[str],
+               partner: str | None = None, within: cst.CSTNode | None = None) -> cst.CSTNode | None:
+    """A read of ``code`` other than ``own``, the loss division in ``loop``, the loss scaled back for a log line
+    (``loss.item() * accum``: the last micro-batch's mean loss, whatever its size), a product with ``partner`` (the
+    samples per step, ``batch_size * accum * block_size``: unchanged) and the last micro-step's test, or None."""
     kind = cst.Attribute if "." in code else cst.Name
-    for n in facts.nodes_in(facts.module, kind):
-        if n is own or facts.code(n) != code:
+    for n in facts.nodes_in(within or facts.module, kind):
+        if n is own or facts.code(n) != code or (isinstance(n, cst.Name) and not names_variable(facts, n)):
             continue
         parent = facts.parent(n)
-        if isinstance(parent, cst.AssignTarget):
+        if isinstance(parent, (cst.AssignTarget, cst.Param)):
             continue  # the binding
         if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide) and parent.right is n \
                 and facts.contains(loop, n):
@@ -273,8 +458,30 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, l
             other = parent.left if parent.right is n else parent.right
             if any(isinstance(m, cst.Name) and m.value in losses for m in walk(other, itself=True)):
                 continue
+            if partner is not None and partner in _factors(facts, _product(facts, n)):
+                continue
+        target = facts.parent(parent)
+        test = facts.parent(target) if isinstance(target, cst.ComparisonTarget) else None
+        if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Subtract) and \
+                isinstance(test, cst.Comparison) and isinstance(test.left, cst.Name) and facts.contains(loop, n) and \
+                _last_micro_test(facts, test.left, code):
+            continue
         return n
     return None
+
+
+def _product(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
+    """The outermost product ``node`` is a factor of."""
+    while isinstance(parent := facts.parent(node), cst.BinaryOperation) and isinstance(parent.operator, cst.Multiply):
+        node = parent
+    return node
+
+
+def _factors(facts: ModuleFacts, node: cst.CSTNode) -> set[str]:
+    """The code of each factor of a product (``a * b * c``: a, b, c)."""
+    if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Multiply):
+        return _factors(facts, node.left) | _factors(facts, node.right)
+    return {facts.code(node)}
 
 
 def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement) -> cst.BaseStatement | str:
@@ -289,13 +496,32 @@ def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement)
         if len(found) != 1:
             return f"{base} is bound {len(found)} times before the DataLoader: its value there is not known"
         statements.append(facts.statement_of(found[0]))
-    last = max(statements, key=lambda s: facts.position(s))
+    last = max(statements, key=lambda s: _at(facts, s))
     block = facts.block_of(last)
     if any(facts.block_of(s) is not block for s in statements):
         return f"{' and '.join(codes)} are bound in different blocks"
     if any(unbound(facts, before, code) for code in codes) and facts.function_of(last) is facts.function_of(before):
         return f"{' and '.join(codes)} may be unbound where the DataLoader is built"
     return last
+
+
+def _parameters(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement) -> cst.BaseStatement | None:
+    """The first statement of the function holding ``before`` (after its docstring), where every one of ``codes``
+    is a plain parameter of it that the function never rebinds: split there, each call splits its own values."""
+    function = facts.function_of(before)
+    if function is None or not all("." not in code for code in codes):
+        return None
+    params = {p.name.value for p in function.params.params} | {p.name.value for p in function.params.kwonly_params}
+    if not all(code in params and not assignments(facts, function, code) for code in codes):
+        return None
+    if any(isinstance(n, (cst.AugAssign, cst.AnnAssign)) and facts.code(n.target) in codes
+           for n in walk(function.body)):
+        return None
+    body = list(function.body.body)
+    if len(body) > 1 and isinstance(body[0], cst.SimpleStatementLine) and isinstance(body[0].body[0], cst.Expr) \
+            and isinstance(body[0].body[0].value, (cst.SimpleString, cst.ConcatenatedString)):
+        return body[1]
+    return body[0]
 
 
 def _zero(node: cst.BaseExpression) -> bool:
