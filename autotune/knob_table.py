@@ -68,11 +68,11 @@ KNOBS = {knob.name: knob for knob in (
     ),
     Knob(
         'batch_split.factor',
-        (1, 2, 4, 8, 16),
+        (1, 2, 4, 8, 16, 0.5, 0.25),
         1,
         Numerics.REORDER,
         devices=frozenset({'cpu', 'cuda'}),
-        help="the DataLoader's batch_size times this, the accumulation steps divided by it: the same samples in the same order in each optimizer step, the loss still their mean (only where it divides the accumulation steps; at an epoch's end a last, smaller micro-batch weighs as the script weighs it)",
+        help="the micro-batch size times this, the accumulation steps divided by it: the same samples in the same order in each optimizer step, the loss still their mean (only where it divides exactly; 0.5 and 0.25 halve or quarter the micro-batch, for memory: the search tries them only where a configuration at the script's own micro-batch ran out of memory; at an epoch's end a last, smaller micro-batch weighs as the script weighs it)",
         compiles=False,
     ),
     Knob(
@@ -266,11 +266,11 @@ KNOBS = {knob.name: knob for knob in (
     ),
     Knob(
         'hf_trainer.batch_split',
-        (1, 2, 4, 8, 16),
+        (1, 2, 4, 8, 16, 0.5, 0.25),
         1,
         Numerics.REORDER,
         devices=frozenset({'cpu', 'cuda'}),
-        help='per_device_train_batch_size times this, gradient_accumulation_steps divided by it: the same samples in the same order in each optimizer step, in fewer, bigger micro-batches (only where the accumulation steps divide exactly, and not for a model with BatchNorm or dropout, which draw per micro-batch)',
+        help="per_device_train_batch_size times this, gradient_accumulation_steps divided by it: the same samples in the same order in each optimizer step, in fewer, bigger micro-batches (only where it divides exactly, and not for a model with BatchNorm or dropout, which draw per micro-batch); 0.5 and 0.25 halve or quarter the micro-batch, for memory: the search tries them only where a configuration at the script's own micro-batch ran out of memory",
         compiles=False,
     ),
     Knob(

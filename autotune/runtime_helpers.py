@@ -76,6 +76,7 @@ __all__ = [
     'scale',
     'scaler_enabled',
     'sdpa_enabled',
+    'split_sizes',
     'thread_statement',
     'threads',
     'unscale_',
@@ -281,13 +282,27 @@ def backend_flags(script_sets: tuple[str, ...] = ()) -> None:
 
 def batch_split(micro: Any, accumulation: Any) -> tuple[Any, Any]:
     """(micro-batch size, accumulation steps) as ``batch_split.factor`` splits them: k times the micro-batch, the
-    accumulation steps divided by k, so that each optimizer step trains on the same samples; as given where k does
-    not divide the accumulation steps (or they are not whole numbers)."""
+    accumulation steps divided by k (k below 1: the micro-batch divided by 1/k, the steps times it), so that each
+    optimizer step trains on the same samples; as given where the split does not divide exactly (or the sizes are
+    not whole numbers)."""
     k = knob("batch_split.factor", record=False)
-    if k == 1 or not isinstance(micro, int) or not isinstance(accumulation, int) or accumulation % k:
+    if k == 1 or not isinstance(micro, int) or not isinstance(accumulation, int):
+        return micro, accumulation
+    split = split_sizes(micro, accumulation, k)
+    if split is None:
         return micro, accumulation
     took_effect("batch_split.factor")
-    return micro * k, accumulation // k
+    return split
+
+
+def split_sizes(micro: int, accumulation: int, k: int | float) -> tuple[int, int] | None:
+    """(micro * k, accumulation / k) where k divides the accumulation steps; for k below 1, (micro / d,
+    accumulation * d) with d = 1/k where d divides the micro-batch; None where the split is not exact."""
+    if k >= 1:
+        k = int(k)
+        return None if accumulation % k else (micro * k, accumulation // k)
+    d = round(1 / k)
+    return None if micro % d else (micro // d, accumulation * d)
 
 
 # --- channels_last (transforms/channels_last.py) --------------------------------------------------
@@ -730,12 +745,14 @@ def hf_batch_split(args: Any, model: Any = None) -> None:
     Left as it is where k does not divide the accumulation steps, and for a ``model`` whose training draws per
     micro-batch (see ``_per_micro_batch``)."""
     k = knob("hf_trainer.batch_split", record=False)
-    if k == 1 or getattr(args, "_autotune_split", False) or args.gradient_accumulation_steps % k:
+    if k == 1 or getattr(args, "_autotune_split", False):
         return
-    if model is not None and _per_micro_batch(model):
+    from autotune.runtime_helpers import split_sizes  # batch_split's: one arithmetic for both knobs
+
+    split = split_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, k)
+    if split is None or (model is not None and _per_micro_batch(model)):
         return
-    args.per_device_train_batch_size *= k
-    args.gradient_accumulation_steps //= k
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = split
     args._autotune_split = True  # a plain attribute, not a field: TrainingArguments' own output leaves it out
     took_effect("hf_trainer.batch_split")
 

@@ -966,6 +966,67 @@ def test_a_micro_batch_that_runs_out_of_memory_prunes_the_bigger_ones():
     assert 4 in tried and 8 not in tried and 16 not in tried, tried  # 4 did not fit: 8 and 16 are not run
 
 
+def test_a_micro_batch_that_runs_out_of_memory_comes_back_once_with_checkpointing_on():
+    knobs = (_knob("batch_split.factor", (1, 2, 4, 8, 16)), _knob("checkpointing.blocks", ("none", "all")))
+    space = SearchSpace("cuda", knobs, {k.name: k.choices for k in knobs})
+
+    def speed(c):
+        split = {1: 1.0, 2: 1.5, 4: 2.2, 8: 2.4, 16: 2.5}[c["batch_split.factor"]]
+        return split * (0.8 if c["checkpointing.blocks"] == "all" else 1.0)  # recomputing costs a fifth
+
+    class Memory(World):
+        def measure(self, config):
+            fits = 8 if config["checkpointing.blocks"] == "all" else 2  # checkpointing frees memory for 8x
+            if config["batch_split.factor"] > fits:
+                self.seen[config_key(config)] = Observation(False, None, "oom", "CUDA out of memory")
+                self.order.append(dict(config))
+            else:
+                super().measure(config)
+
+        def costly(self, config):
+            return False
+
+    world = Memory(speed, lambda c: (True, None), space=space)
+    plan = drive(StrongStart(space, {"batch_split.factor": 4}, {}), world)
+    tried = [(c["batch_split.factor"], c["checkpointing.blocks"]) for c in world.order]
+    assert (4, "none") in tried and (4, "all") in tried, tried  # 4 did not fit alone: with checkpointing it did
+    assert (8, "none") not in tried and (16, "none") not in tried, tried
+    assert (1, "all") not in tried and (2, "all") not in tried, tried  # never checkpointing alone: it only costs
+    # with checkpointing on, what ran out of memory without it does not prune: 8 fits (1.92x), 16 does not
+    assert (8, "all") in tried and (16, "all") in tried, tried
+    assert (plan.incumbent["batch_split.factor"], plan.incumbent["checkpointing.blocks"]) == (8, "all")
+
+
+def test_smaller_micro_batches_are_tried_only_where_the_scripts_own_ran_out_of_memory():
+    knobs = (_knob("batch_split.factor", (1, 2, 4, 0.5, 0.25)), _knob("compile.mode", ("none", "default")))
+    space = SearchSpace("cuda", knobs, {k.name: k.choices for k in knobs})
+
+    def speed(c):
+        return (1.3 if c["compile.mode"] == "default" else 1.0) * (0.9 if c["batch_split.factor"] < 1 else 1.0)
+
+    def drive_with(limit):
+        class Memory(World):
+            def measure(self, config):
+                if config["compile.mode"] == "default" and config["batch_split.factor"] > limit:
+                    self.seen[config_key(config)] = Observation(False, None, "oom", "CUDA out of memory")
+                    self.order.append(dict(config))
+                else:
+                    super().measure(config)
+
+            def costly(self, config):
+                return False
+
+        world = Memory(speed, lambda c: (True, None), space=space)
+        plan = drive(StrongStart(space, {"compile.mode": "default"}, {}), world)
+        return plan, [(c["batch_split.factor"], c["compile.mode"]) for c in world.order]
+
+    plan, tried = drive_with(limit=16)  # memory is not short: no smaller micro-batch is run
+    assert not any(split < 1 for split, _ in tried), tried
+    plan, tried = drive_with(limit=0.5)  # compiled, the script's own micro-batch does not fit; half of it does
+    assert (0.5, "default") in tried, tried
+    assert (plan.incumbent["batch_split.factor"], plan.incumbent["compile.mode"]) == (0.5, "default")  # 1.17x
+
+
 def test_a_bisection_the_time_left_does_not_cover_leaves_compilation_out_and_still_finds_the_culprit():
     # Lightning's transformer example: its start (compile, bf16, fused SGD) crashed, the first bisection step held
     # compile, whose guessed compile time the budget did not cover, and the search stopped with most of it unspent

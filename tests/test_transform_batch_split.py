@@ -103,6 +103,9 @@ def test_the_runtime_splits_only_where_the_factor_divides_the_accumulation(monke
     assert batch_split(4, 8) == (16, 2)
     assert batch_split(4, 6) == (4, 6)  # 4 does not divide 6
     assert batch_split(4.0, 8) == (4.0, 8)
+    monkeypatch.setattr(knob_values, "_loaded", lambda: {"batch_split.factor": 0.5})  # for memory: half as big
+    assert batch_split(4, 8) == (2, 16)
+    assert batch_split(3, 8) == (3, 8)  # 2 does not divide a micro-batch of 3
 
 
 # --- running them ------------------------------------------------------------------------------------------

@@ -49,12 +49,14 @@ class BatchSplit(Transform):
     knobs = (
         Knob(
             "batch_split.factor",
-            (1, 2, 4, 8, 16),
+            (1, 2, 4, 8, 16, 0.5, 0.25),
             1,
             Numerics.REORDER,
-            help="the DataLoader's batch_size times this, the accumulation steps divided by it: the same samples in "
-            "the same order in each optimizer step, the loss still their mean (only where it divides the "
-            "accumulation steps; at an epoch's end a last, smaller micro-batch weighs as the script weighs it)",
+            help="the micro-batch size times this, the accumulation steps divided by it: the same samples in the "
+            "same order in each optimizer step, the loss still their mean (only where it divides exactly; 0.5 and "
+            "0.25 halve or quarter the micro-batch, for memory: the search tries them only where a configuration "
+            "at the script's own micro-batch ran out of memory; at an epoch's end a last, smaller micro-batch "
+            "weighs as the script weighs it)",
         ),
     )
 
@@ -80,10 +82,15 @@ class BatchSplit(Transform):
                 insert(found.after, stmt(f"{pair} = {edits.runtime('batch_split')}({pair})\n"))
                 continue
             k = self.mode.value(self.knobs[0])
-            if k != 1:
+            if k > 1:
                 insert(found.after, stmt(
                     f"if {found.accumulation} % {k} == 0:  # autotune: micro-batch x{k}, accumulation /{k}: same "
                     f"samples per step\n    {pair} = {found.micro} * {k}, {found.accumulation} // {k}\n"))
+            elif k < 1:
+                d = round(1 / k)
+                insert(found.after, stmt(
+                    f"if {found.micro} % {d} == 0:  # autotune: micro-batch /{d}, accumulation x{d}: same samples "
+                    f"per step\n    {pair} = {found.micro} // {d}, {found.accumulation} * {d}\n"))
 
     def _split(self, facts: ModuleFacts, loop: TrainingLoop) -> _Split | tuple[cst.CSTNode, str] | None:
         """The split of ``loop``'s accumulation, or (where, why not), or None where the loop does not accumulate
@@ -537,10 +544,24 @@ from autotune.knob_values import knob, took_effect
 
 def batch_split(micro: Any, accumulation: Any) -> tuple[Any, Any]:
     """(micro-batch size, accumulation steps) as ``batch_split.factor`` splits them: k times the micro-batch, the
-    accumulation steps divided by k, so that each optimizer step trains on the same samples; as given where k does
-    not divide the accumulation steps (or they are not whole numbers)."""
+    accumulation steps divided by k (k below 1: the micro-batch divided by 1/k, the steps times it), so that each
+    optimizer step trains on the same samples; as given where the split does not divide exactly (or the sizes are
+    not whole numbers)."""
     k = knob("batch_split.factor", record=False)
-    if k == 1 or not isinstance(micro, int) or not isinstance(accumulation, int) or accumulation % k:
+    if k == 1 or not isinstance(micro, int) or not isinstance(accumulation, int):
+        return micro, accumulation
+    split = split_sizes(micro, accumulation, k)
+    if split is None:
         return micro, accumulation
     took_effect("batch_split.factor")
-    return micro * k, accumulation // k
+    return split
+
+
+def split_sizes(micro: int, accumulation: int, k: int | float) -> tuple[int, int] | None:
+    """(micro * k, accumulation / k) where k divides the accumulation steps; for k below 1, (micro / d,
+    accumulation * d) with d = 1/k where d divides the micro-batch; None where the split is not exact."""
+    if k >= 1:
+        k = int(k)
+        return None if accumulation % k else (micro * k, accumulation // k)
+    d = round(1 / k)
+    return None if micro % d else (micro // d, accumulation * d)

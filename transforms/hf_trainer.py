@@ -97,12 +97,14 @@ class HfTrainer(Transform):
         ),
         Knob(
             "hf_trainer.batch_split",
-            (1, 2, 4, 8, 16),
+            (1, 2, 4, 8, 16, 0.5, 0.25),
             1,
             Numerics.REORDER,
             help="per_device_train_batch_size times this, gradient_accumulation_steps divided by it: the same samples "
-            "in the same order in each optimizer step, in fewer, bigger micro-batches (only where the accumulation "
-            "steps divide exactly, and not for a model with BatchNorm or dropout, which draw per micro-batch)",
+            "in the same order in each optimizer step, in fewer, bigger micro-batches (only where it divides exactly, "
+            "and not for a model with BatchNorm or dropout, which draw per micro-batch); 0.5 and 0.25 halve or "
+            "quarter the micro-batch, for memory: the search tries them only where a configuration at the script's "
+            "own micro-batch ran out of memory",
         ),
     )
 
@@ -149,13 +151,20 @@ class HfTrainer(Transform):
             edits.insert_before(at, stmt(f"{edits.runtime('hf_batch_split')}({args.value}{extra})\n"))
             return
         k = self.mode.value(self.knob("batch_split"))
-        if k != 1:
-            a = args.value
+        a = args.value
+        if k > 1:
             edits.insert_before(at, stmt(
                 f"if {a}.gradient_accumulation_steps % {k} == 0:  # autotune: micro-batch x{k}, accumulation /{k}: "
                 "same samples per step\n"
                 f"    {a}.per_device_train_batch_size *= {k}\n"
                 f"    {a}.gradient_accumulation_steps //= {k}\n"))
+        elif k < 1:
+            d = round(1 / k)
+            edits.insert_before(at, stmt(
+                f"if {a}.per_device_train_batch_size % {d} == 0:  # autotune: micro-batch /{d}, accumulation x{d}: "
+                "same samples per step\n"
+                f"    {a}.per_device_train_batch_size //= {d}\n"
+                f"    {a}.gradient_accumulation_steps *= {d}\n"))
 
     def _arguments(self, facts: ModuleFacts, call: cst.Call, edits: Edits, hf: bool) -> None:
         """``TrainingArguments(output_dir=..., ...)``: the settings the script leaves out become knobs there."""
@@ -345,12 +354,14 @@ def hf_batch_split(args: Any, model: Any = None) -> None:
     Left as it is where k does not divide the accumulation steps, and for a ``model`` whose training draws per
     micro-batch (see ``_per_micro_batch``)."""
     k = knob("hf_trainer.batch_split", record=False)
-    if k == 1 or getattr(args, "_autotune_split", False) or args.gradient_accumulation_steps % k:
+    if k == 1 or getattr(args, "_autotune_split", False):
         return
-    if model is not None and _per_micro_batch(model):
+    from autotune.runtime_helpers import split_sizes  # batch_split's: one arithmetic for both knobs
+
+    split = split_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, k)
+    if split is None or (model is not None and _per_micro_batch(model)):
         return
-    args.per_device_train_batch_size *= k
-    args.gradient_accumulation_steps //= k
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = split
     args._autotune_split = True  # a plain attribute, not a field: TrainingArguments' own output leaves it out
     took_effect("hf_trainer.batch_split")
 

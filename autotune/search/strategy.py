@@ -437,14 +437,46 @@ class StrongStart:
         return {**self.space.baseline(), **{n: self.start[n] for n in names}}
 
     def _alternatives(self, view: View, incumbent: Config, name: str, blamed: set) -> list[dict[str, Any]]:
-        """``incumbent`` with each other choice of knob ``name`` (distinct programs; blamed and expensive ones out,
-        and micro-batches at least as big as one that ran out of memory)."""
+        """``incumbent`` with each other choice of knob ``name`` (distinct programs; blamed and expensive ones out).
+        Memory: micro-batches at least as big as one that ran out of memory are out, the smallest of them comes back
+        once with a memory saver (activation checkpointing) on; smaller micro-batches than the script's only where a
+        configuration at its own micro-batch ran out of memory; a memory saver is never turned on alone (it only
+        costs time, and pays where it lets a bigger micro-batch fit)."""
         out: list[dict[str, Any]] = []
-        too_big = _out_of_memory_splits(view).get(name)
+        too_big = _out_of_memory_splits(view, incumbent).get(name)
+        baseline = self.space.baseline()
+        default = baseline.get(name)
+        plain = {s: baseline.get(s) for s in MEMORY_SAVERS if s in baseline}  # every saver off
+        saving = any(not same_value(incumbent.get(s), v) for s, v in plain.items())
+        unsaved = _out_of_memory_splits(view, plain)  # what did not fit without a saver
         for choice in self.space.choices[name]:
             if same_value(choice, incumbent.get(name)) or self.is_expensive(name, choice):
                 continue
+            if name in MEMORY_SAVERS and not same_value(choice, default):
+                continue
+            if name in MEMORY_SAVERS and any(isinstance(incumbent.get(s), int) and incumbent[s] >= limit
+                                             for s, limit in unsaved.items()):
+                continue  # off, the incumbent's micro-batch ran out of memory
+            if name in SPLITS and saving and (_smaller(choice) or choice < unsaved.get(name, choice + 1)):
+                # a micro-batch that fits without the saver: without it (it only costs time there)
+                trial = view.canonical({**incumbent, **plain, name: choice})
+                if not view.same(trial, incumbent) and not any(view.same(trial, o) for o in out):
+                    out.append(trial)
+                continue
+            if name in SPLITS and _smaller(choice):
+                # only where memory is short at the script's own micro-batch: the configuration that ran out of
+                # memory there, with the next smaller micro-batch
+                for config in _short_of_memory(view, name):
+                    below = [c for c in self.space.choices[name] if _smaller(c) and c < config.get(name, 1)]
+                    if below and same_value(max(below), choice) and (name, _text(choice)) not in blamed:
+                        trial = view.canonical({**config, name: choice})
+                        if not any(view.same(trial, o) for o in out):
+                            out.append(trial)
+                continue
             if too_big is not None and isinstance(choice, int) and choice >= too_big:
+                if choice == too_big:  # blamed, as a start that ran out of memory is: not with a saver on
+                    out.extend(c for c in self._with_saver(view, {**incumbent, name: choice}) if
+                               not any(view.same(c, o) for o in out))
                 continue
             if (name, _text(choice)) in blamed:
                 continue
@@ -453,6 +485,17 @@ class StrongStart:
                 continue
             out.append(trial)
         return out
+
+    def _with_saver(self, view: View, config: Config) -> list[dict[str, Any]]:
+        """``config`` (a micro-batch that ran out of memory) with the first memory saver of the space turned on,
+        where the incumbent has none on and that pairing has not run yet."""
+        for saver, on in MEMORY_SAVERS.items():
+            if saver not in self.space.choices or not has(self.space.choices[saver], on):
+                continue
+            if not same_value(config.get(saver), self.space.baseline().get(saver)):
+                return []  # a saver is on already: the micro-batch did not fit even so
+            return [view.canonical({**config, saver: on})]
+        return []
 
     def _best(
         self, view: View, incumbent: Config, alternatives: Sequence[Config]
@@ -559,11 +602,34 @@ class StrongStart:
 SPLITS = ("batch_split.factor", "hf_trainer.batch_split")
 
 
-def _out_of_memory_splits(view: View) -> dict[str, int]:
-    """For each batch-split knob, the smallest factor that ran out of memory: a bigger micro-batch needs more."""
+# activation checkpointing, as each transform spells it on: it frees memory for a bigger micro-batch, at a cost
+MEMORY_SAVERS = {"checkpointing.blocks": "all", "checkpointing.framework": True, "hf_trainer.gradient_checkpointing": True}
+
+
+def _smaller(choice: Any) -> bool:
+    """A split that makes the micro-batch smaller than the script's (0.5, 0.25)."""
+    return isinstance(choice, float) and choice < 1
+
+
+def _short_of_memory(view: View, name: str) -> list[Config]:
+    """The configurations that ran out of memory at the script's own micro-batch or a smaller one (the split knob
+    ``name`` was not what made it bigger): only there may a smaller micro-batch let the other knobs fit."""
+    out = []
+    for config, o in view.measured():
+        value = config.get(name, 1)
+        if o.status == "oom" and isinstance(value, (int, float)) and value <= 1:
+            out.append(dict(config))
+    return out
+
+
+def _out_of_memory_splits(view: View, incumbent: Config | None = None) -> dict[str, int]:
+    """For each batch-split knob, the smallest factor that ran out of memory (with the memory savers as the
+    ``incumbent`` has them: checkpointing changes what fits): a bigger micro-batch needs more."""
     out: dict[str, int] = {}
     for config, o in view.measured():
         if o.status != "oom":
+            continue
+        if incumbent is not None and any(not same_value(config.get(s), incumbent.get(s)) for s in MEMORY_SAVERS):
             continue
         for name in SPLITS:
             value = config.get(name)
