@@ -76,6 +76,7 @@ __all__ = [
     'scale',
     'scaler_enabled',
     'sdpa_enabled',
+    'sdpa_switch',
     'split_sizes',
     'thread_statement',
     'threads',
@@ -953,6 +954,15 @@ on_reset(_copies.clear)
 def sdpa_enabled() -> bool:
     """Whether hand-written attention runs as F.scaled_dot_product_attention instead of the script's own code."""
     return knob("sdpa.attention") == "sdpa"
+
+
+def sdpa_switch(flag: Any) -> Any:
+    """``if FLASH:`` choosing between the script's F.scaled_dot_product_attention and its manual attention: the
+    script's flag where it is on; where it is off, True when the knob asks for SDPA."""
+    if flag or knob("sdpa.attention", record=False) != "sdpa":
+        return flag
+    took_effect("sdpa.attention")
+    return True
 
 
 # --- threads (transforms/threads.py) --------------------------------------------------------------

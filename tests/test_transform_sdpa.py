@@ -151,7 +151,9 @@ def test_look_alikes_are_reported_not_rewritten():
 def test_existing_sdpa_is_present():
     flag = _sites("flash_flag")
     assert [(s.status, s.line) for s in flag] == [(Status.PRESENT, 39)]
-    assert "flag" in flag[0].reason
+    # nanoGPT's self.flash = hasattr(F, "scaled_dot_product_attention"): on wherever torch has SDPA
+    assert flag[0].reason == ("F.scaled_dot_product_attention where self.flash, which the script sets wherever torch "
+                              "has it")
     already = _sites("already_sdpa")
     assert {s.status for s in already} == {Status.PRESENT}
     assert len(already) == 2
@@ -292,3 +294,22 @@ def test_transpose_2_3_runs_sdpa_only_for_4d_keys(tmp_path, knob):
     # 5-D: transpose(2, 3) is not the last two dims, and SDPA would compute something else
     q, k, v = torch.randn(1, 2, 3, 4, 5, generator=g), torch.randn(1, 2, 5, 3, 6, generator=g), torch.randn(1, 2, 3, 6, 7, generator=g)
     assert torch.equal(namespace["attend"](q, k, v), orig["attend"](q, k, v))
+
+
+def test_a_switched_off_attention_flag_becomes_the_knob(tmp_path):
+    # llm.c's train_gpt2.py: FLASH = args.flash (0 unless --flash 1) chooses SDPA or the hand-written attention
+    from transform_cases import baked, case, losses, patched
+
+    (site,) = _sites("flash_switch")
+    assert (site.status, site.line) == (Status.APPLICABLE, 32)
+    assert "the script's own switch (present, switched off where FLASH is false)" in site.reason
+    original = case("sdpa", "flash_switch").read_text()
+    gated = patched("sdpa", "flash_switch")
+    assert losses(tmp_path, "default", gated) == losses(tmp_path, "original", original)
+    with_flash = [float.fromhex(h) for h in losses(tmp_path, "flash", original, args=["--flash", "1"])]
+    on = [float.fromhex(h) for h in losses(tmp_path, "on", gated, {"sdpa.attention": "sdpa"})]
+    assert on == with_flash  # the knob takes the script's own SDPA branch
+    assert [float.fromhex(h) for h in losses(tmp_path, "baked", baked("sdpa", "flash_switch",
+                                                                        {"sdpa.attention": "sdpa"}))] == on
+    manual = [float.fromhex(h) for h in losses(tmp_path, "manual", original)]
+    assert on == pytest.approx(manual, rel=1e-4)  # and SDPA trains as the manual attention does, to rounding

@@ -59,6 +59,7 @@ class Sdpa(Transform):
             if facts.qualname(call.func) == SDPA:
                 with_sdpa.add(scope_of(facts, call))
         manual_scopes = set()
+        manual: list[cst.CSTNode] = []  # the products of hand-written attention
         reported: set[cst.CSTNode] = set()
         for out in self._products(facts):
             try:
@@ -66,6 +67,7 @@ class Sdpa(Transform):
             except _NoMatch:
                 continue
             except _NotApplicable as why:
+                manual.append(out)
                 key = getattr(why, "softmax", None) or out
                 if key not in reported and scope_of(facts, out) not in with_sdpa:
                     reported.add(key)
@@ -74,6 +76,7 @@ class Sdpa(Transform):
                 continue
             scope = scope_of(facts, out)
             manual_scopes.add(scope)
+            manual.append(out)
             if match.softmax in reported or scope in with_sdpa:
                 continue
             reported.add(match.softmax)
@@ -82,13 +85,55 @@ class Sdpa(Transform):
             if facts.qualname(call.func) != SDPA:
                 continue
             gate = next((a for a in facts.ancestors(call) if isinstance(a, cst.If) and _gated(facts, a.test)), None)
+            switch = self._switch(facts, call, manual)
             if gate is not None:
                 reason = "attention already behind the sdpa.attention knob"
+            elif switch is not None and facts.is_runtime_call(switch.test, "sdpa_switch"):
+                reason = "the script's own attention switch is already the sdpa.attention knob"
+            elif switch is not None and _always_on(facts, switch.test):
+                reason = (f"F.scaled_dot_product_attention where {facts.code(switch.test)}, which the script sets "
+                          "wherever torch has it")
+            elif switch is not None:
+                flag = facts.code(switch.test)
+                self.report(facts, call, Status.APPLICABLE, (
+                    f"if {flag}: F.scaled_dot_product_attention, else the manual attention: the script's own switch "
+                    f"(present, switched off where {flag} is false), which sdpa.attention=sdpa turns on there"))
+                if self.mode.gated:
+                    code = f"{edits.runtime('sdpa_switch')}({flag})"
+                    edits.rewrite(switch.test, lambda node, code=code: expr(code))
+                elif self.mode.value(self.knobs[0]) == "sdpa":
+                    note = cst.Comment(f"# autotune: F.scaled_dot_product_attention whatever {flag} says")
+                    edits.rewrite(switch, lambda node, note=note: node.with_changes(
+                        test=cst.Name("True"), body=node.body.with_changes(header=cst.TrailingWhitespace(
+                            whitespace=cst.SimpleWhitespace("  "), comment=note, newline=node.body.header.newline))))
+                continue
             elif scope_of(facts, call) in manual_scopes:
                 reason = "F.scaled_dot_product_attention, beside a manual fallback chosen by a flag"
             else:
                 reason = "already uses F.scaled_dot_product_attention"
             self.report(facts, call, Status.PRESENT, reason)
+
+    @staticmethod
+    def _switch(facts: ModuleFacts, call: cst.Call, manual: list[cst.CSTNode]) -> cst.If | None:
+        """``if FLASH: y = F.scaled_dot_product_attention(...) else: <hand-written attention>``: the innermost ``if``
+        of ``call``'s function whose body holds it and whose ``else`` holds the manual attention, tested on a
+        variable or attribute of the script's own (``FLASH``, ``self.flash``, ``args.flash``), or on the knob's
+        helper already."""
+        function = facts.function_of(call)
+        for node in facts.ancestors(call):
+            if node is function:
+                return None
+            if not isinstance(node, cst.If) or not facts.contains(node.body, call):
+                continue
+            if not isinstance(node.orelse, cst.Else) or not any(facts.contains(node.orelse, m) for m in manual):
+                return None
+            test = node.test
+            if facts.is_runtime_call(test, "sdpa_switch"):
+                return node
+            while isinstance(test, cst.Attribute):
+                test = test.value
+            return node if isinstance(test, cst.Name) and test.value not in ("True", "False") else None
+        return None
 
     # --- finding attention -------------------------------------------------------------------------------
 
@@ -223,11 +268,35 @@ class Sdpa(Transform):
 
 
 
+def _always_on(facts: ModuleFacts, flag: cst.BaseExpression) -> bool:
+    """Whether the flag is set from ``hasattr(torch.nn.functional, "scaled_dot_product_attention")`` (nanoGPT's
+    ``self.flash``), which any torch autotune runs on has: then SDPA already runs."""
+    name = facts.code(flag).rsplit(".", 1)[-1]
+    for assign in facts.assigns:
+        value = assign.value
+        if any(facts.code(t.target).rsplit(".", 1)[-1] == name for t in assign.targets) and \
+                isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "hasattr" \
+                and "scaled_dot_product_attention" in facts.code(value):
+            return True
+    return False
+
+
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
 
-from autotune.knob_values import knob
+from typing import Any
+
+from autotune.knob_values import knob, took_effect
 
 
 def sdpa_enabled() -> bool:
     """Whether hand-written attention runs as F.scaled_dot_product_attention instead of the script's own code."""
     return knob("sdpa.attention") == "sdpa"
+
+
+def sdpa_switch(flag: Any) -> Any:
+    """``if FLASH:`` choosing between the script's F.scaled_dot_product_attention and its manual attention: the
+    script's flag where it is on; where it is off, True when the knob asks for SDPA."""
+    if flag or knob("sdpa.attention", record=False) != "sdpa":
+        return flag
+    took_effect("sdpa.attention")
+    return True
