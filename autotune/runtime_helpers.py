@@ -598,10 +598,19 @@ def fully_shard_kwargs(**script: Any) -> dict[str, Any]:
 # --- fused_optimizer (transforms/fused_optimizer.py) ----------------------------------------------
 
 
-def optimizer_impl() -> dict[str, bool]:
-    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}."""
-    impl = knob("fused_optimizer.impl")
-    return {} if impl == "default" else {impl: True}
+def optimizer_impl(lightning_clipping: str | None = None) -> dict[str, bool]:
+    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}.
+    ``lightning_clipping``: a Lightning Trainer clips the gradients, with its precision mixed as the script wrote it
+    ("mixed") or as the lightning_trainer.precision knob makes it ("knob"); Lightning refuses to clip a fused
+    optimizer's gradients under mixed precision, so there fused leaves the optimizer as written (not applied)."""
+    impl = knob("fused_optimizer.impl", record=False)
+    if impl == "default":
+        return {}
+    if impl == "fused" and (lightning_clipping == "mixed" or (
+            lightning_clipping == "knob" and knob("lightning_trainer.precision", record=False) != "default")):
+        return {}
+    took_effect("fused_optimizer.impl")
+    return {impl: True}
 
 
 # --- gc (transforms/gc.py) ------------------------------------------------------------------------

@@ -108,3 +108,25 @@ def test_the_lightningmodule_fit_trains_is_compiled_in_place_and_its_checkpoint_
                           env={**os.environ, "AUTOTUNE_CONFIG": str(config)})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("KEYS")), None)
     assert line == "KEYS ['net.0.bias', 'net.0.weight', 'net.2.bias', 'net.2.weight'] True", proc.stderr[-2000:]
+
+
+def test_a_fused_optimizer_is_left_as_written_where_lightning_clips_under_mixed_precision(tmp_path):
+    # Lightning's precision plugin refuses to clip the gradients of an optimizer that unscales them itself
+    # ("does not allow for gradient clipping because it performs unscaling of gradients internally"): with
+    # gradient_clip_val, the fused knob applies at full precision only, instead of crashing the trial
+    source = case("lightning_trainer", "plain").read_text().replace(
+        "        logger=False,\n", "        logger=False,\n        gradient_clip_val=1.0,\n")
+    (tmp_path / "clipped.py").write_text(source)
+    result = run(load_project(tmp_path / "clipped.py"))
+    (site,) = [s for s in result.sites if s.transform == "fused_optimizer"]
+    assert site.reason.endswith("fused only at full precision: Lightning refuses to clip a fused optimizer's "
+                                f"gradients under mixed precision (Trainer(gradient_clip_val=1.0) at "
+                                f"{tmp_path / 'clipped.py'}:59)")
+    write_outputs(result, tmp_path / "patched", "clipped.py")
+    script = tmp_path / "patched" / result.files[0].rel
+    assert '**_autotune.optimizer_impl(lightning_clipping="knob")' in script.read_text()
+    both = {"fused_optimizer.impl": "fused", "lightning_trainer.precision": "bf16-mixed"}
+    mixed = trial(script, ARGS, tmp_path, knobs=both, warmup=1, steps=1)
+    assert mixed["status"] == "ok" and mixed["applied"] == ["lightning_trainer.precision"], mixed["error"]
+    full = trial(script, ARGS, tmp_path, knobs={"fused_optimizer.impl": "fused"}, warmup=1, steps=1)
+    assert full["status"] == "ok" and full["applied"] == ["fused_optimizer.impl"], full["error"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import libcst as cst
+
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, keyword, kwarg, star_kwargs
+from autotune.syntax import add_args, argument, is_literal, keyword, kwarg, star_kwargs
+from autotune.transforms._settings import lightning_precision_on
 
 # The optimizers whose constructors take both fused= and foreach= in torch 2.4+; fused runs on CPU and CUDA.
 FUSABLE = {f"torch.optim.{n}" for n in ("Adam", "AdamW", "SGD")} | {
@@ -28,6 +31,7 @@ class FusedOptimizer(Transform):
     )
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
+        clipping = self._lightning_clipping()
         for call in self.project.optimizer_ctors(facts):
             qual = facts.qualname(call.func)
             short = qual.rsplit(".", 1)[-1]
@@ -50,20 +54,60 @@ class FusedOptimizer(Transform):
             if any(a.star == "**" for a in call.args):
                 self.report(facts, call, Status.NOT_APPLICABLE, f"{short}(**kwargs) may already set fused/foreach")
                 continue
-            self.report(facts, call, Status.APPLICABLE, f"{short} uses the default implementation")
+            note = ""
+            if clipping is not None:
+                where, mixed = clipping
+                when = "never (the script's precision is mixed)" if mixed else "only at full precision"
+                note = (f"; fused {when}: Lightning refuses to clip a fused optimizer's gradients under mixed "
+                        f"precision ({where})")
+            self.report(facts, call, Status.APPLICABLE, f"{short} uses the default implementation{note}")
             if self.mode.gated:
-                extra = star_kwargs(f"{edits.runtime('optimizer_impl')}()")
+                flag = "" if clipping is None else f'lightning_clipping="{"mixed" if clipping[1] else "knob"}"'
+                extra = star_kwargs(f"{edits.runtime('optimizer_impl')}({flag})")
             else:
-                extra = kwarg(self.mode.value(self.knobs[0]), "True")
+                impl = self.mode.value(self.knobs[0])
+                if impl == "default" or (impl == "fused" and clipping is not None):
+                    continue  # the trial left it as written (see optimizer_impl): the search does not bake it
+                extra = kwarg(impl, "True")
             edits.rewrite(call, lambda node, extra=extra: add_args(node, extra))
+
+    def _lightning_clipping(self) -> tuple[str, bool] | None:
+        """(where, whether its precision is mixed as written) for a Lightning Trainer of the project built with
+        gradient_clip_val (not None or 0): Lightning's mixed precision refuses to clip the gradients of an optimizer
+        that unscales them itself, which a fused one does (its precision plugin raises "does not allow for gradient
+        clipping because it performs unscaling of gradients internally")."""
+        from autotune.transforms.lightning_trainer import TRAINERS
+
+        for facts in self.project.modules:
+            for call in facts.calls:
+                if not self.project.derives(facts, call.func, TRAINERS):
+                    continue
+                clip = argument(call, None, "gradient_clip_val")
+                if clip is None or is_literal(clip, None) or (
+                        isinstance(clip, (cst.Integer, cst.Float)) and float(clip.value) == 0):
+                    continue
+                precision = argument(call, None, "precision")
+                mixed = precision is not None and lightning_precision_on(precision)
+                where = f"Trainer(gradient_clip_val={facts.code(clip)}) at {facts.display}:{facts.position(call)[0]}"
+                return where, mixed
+        return None
 
 
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
 
-from autotune.knob_values import knob
+from autotune.knob_values import knob, took_effect
 
 
-def optimizer_impl() -> dict[str, bool]:
-    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}."""
-    impl = knob("fused_optimizer.impl")
-    return {} if impl == "default" else {impl: True}
+def optimizer_impl(lightning_clipping: str | None = None) -> dict[str, bool]:
+    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}.
+    ``lightning_clipping``: a Lightning Trainer clips the gradients, with its precision mixed as the script wrote it
+    ("mixed") or as the lightning_trainer.precision knob makes it ("knob"); Lightning refuses to clip a fused
+    optimizer's gradients under mixed precision, so there fused leaves the optimizer as written (not applied)."""
+    impl = knob("fused_optimizer.impl", record=False)
+    if impl == "default":
+        return {}
+    if impl == "fused" and (lightning_clipping == "mixed" or (
+            lightning_clipping == "knob" and knob("lightning_trainer.precision", record=False) != "default")):
+        return {}
+    took_effect("fused_optimizer.impl")
+    return {impl: True}
