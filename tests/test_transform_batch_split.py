@@ -81,6 +81,10 @@ def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
     ({"layer": ", nn.Dropout(0.1)"}, "Dropout(0.1) at {dir}/train.py:10: dropout draws its masks per micro-batch (0 is the "
                                      "only probability known here to be safe)"),
     ({"layer": ", nn.Dropout()"}, "Dropout at {dir}/train.py:10: dropout draws its masks per micro-batch"),
+    ({"extra": "sched = torch.optim.lr_scheduler.StepLR(opt, 10)", "inside": "sched.step()"},
+     "sched.step() at line 20 runs once per micro-batch: the split would change the learning-rate schedule"),
+    ({"inside": "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"},
+     "clip_grad_norm_ at line 20 clips each micro-batch's gradients: the split would change what is clipped"),
     ({"scale": " + nn.functional.l1_loss(x.float(), x.float() * 0, reduction='sum') / args.accum"},
      "nn.functional.l1_loss(reduction=\"sum\") at {dir}/train.py:15: a loss summed over samples, which the split "
      "would scale"),
@@ -198,6 +202,8 @@ def _scan_sampled(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
     ({"device": ", device='cuda'"}, "torch.randint(device='cuda'): a bigger draw on an accelerator's generator is not "
                                     "the smaller draws it replaces"),
     ({"inside": "print(micro)"}, "micro counts micro-batches (line 19): the split changes it"),
+    ({"inside": "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"},
+     "clip_grad_norm_ at line 19 clips each micro-batch's gradients: the split would change what is clipped"),
     ({"extra": "print(batch_size)"}, "batch_size is also read at line 14: the split would change it"),
     # nanoGPT's configurator: exec() rebinds module settings from the command line
     ({"extra": "exec('accum = 8')"}, "exec() at line 14 may rebind batch_size and accum: their values where the split "

@@ -33,6 +33,10 @@ DROPOUT_KEYWORD = {
 }  # fmt: skip
 
 
+CLIPS = {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad.clip_grad_norm_",
+         "torch.nn.utils.clip_grad.clip_grad_value_"}
+
+
 @dataclass(frozen=True)
 class _Split:
     micro: str  # how the script spells the micro-batch size: ``args.batch_size``
@@ -145,6 +149,9 @@ class BatchSplit(Transform):
             if other is not None:
                 line = _line(facts, other)
                 return other, f"{expr_code} is also read at line {line}: the split would change it"
+        counted = self._per_micro_step(facts, node.body, if_)
+        if counted is not None:
+            return counted
         layer = self._per_micro_batch()
         if layer is not None:
             return node, layer
@@ -187,6 +194,9 @@ class BatchSplit(Transform):
             other = _other_use(facts, expr_code, own, inner, losses if own is accumulation else set(), partner, within)
             if other is not None:
                 return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+        counted = self._per_micro_step(facts, inner.body, None)
+        if counted is not None:
+            return counted
         layer = self._per_micro_batch()
         if layer is not None:
             return inner, layer
@@ -199,6 +209,23 @@ class BatchSplit(Transform):
         if isinstance(after, str):
             return inner, after.replace("before the DataLoader", "before the micro-batches are drawn")
         return _Split(micro_code, code, after)
+
+    def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None):
+        """(where, why) for a scheduler step or a gradient clip that runs once per micro-batch in ``body`` (outside
+        ``step_if``, the optimizer step's condition): the split would change how often it runs."""
+        for call in facts.nodes_in(body, cst.Call):
+            if step_if is not None and facts.contains(step_if, call):
+                continue
+            func = call.func
+            qual = facts.qualname(func) or ""
+            if isinstance(func, cst.Attribute) and func.attr.value == "step" and \
+                    facts.code(func.value) in self.project.scheduler_names:
+                return call, (f"{facts.code(func.value)}.step() at line {_line(facts, call)} runs once per "
+                              "micro-batch: the split would change the learning-rate schedule")
+            if qual in CLIPS:
+                return call, (f"{qual.rsplit('.', 1)[-1]} at line {_line(facts, call)} clips each micro-batch's "
+                              "gradients: the split would change what is clipped")
+        return None
 
     def _per_micro_batch(self) -> str | None:
         """Why the model trains differently on other micro-batches of the same samples, if it may."""
