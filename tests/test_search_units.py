@@ -11,7 +11,7 @@ import pytest
 from autotune.cli import main
 from autotune.errors import UsageError
 from autotune.knobs import Knob, Numerics
-from autotune.search.gate import NOISE_FACTOR, Noise, judge, measure_noise, step_deviations, tolerances
+from autotune.search.gate import NOISE_FACTOR, Noise, gated, judge, measure_noise, step_deviations, tolerances
 from autotune.search.outcome import local_speedups
 from autotune.search.space import SpaceFile, build_space, bundled_space_text, config_key, parse_space, read_space
 from autotune.search.trial import Outcome, TrialResult, classify
@@ -210,6 +210,21 @@ def test_measured_noise_widens_the_gate():
     assert not noise.deterministic and noise.max_loss == pytest.approx(0.025)
     gc_knob = _knob("gc.freeze", (False, True), False)
     assert judge(_result([[2.0], [1.5], [1.25]]), a, [gc_knob], noise).passed  # 0.042 < 2 x 0.025
+
+
+def test_a_run_that_trains_on_other_samples_per_step_is_refused_whatever_its_losses():
+    # a batch split that reached the accumulation steps and not the micro-batch: half the samples per step, which
+    # steps/s would credit as twice as fast
+    from dataclasses import replace
+
+    ref = replace(_result([[2.0], [1.5], [1.2]], role="baseline"), batch_size=64)
+    split = _knob("batch_split.factor", (1, 2, 4), 1, Numerics.REORDER)
+    noise = measure_noise([ref])
+    same = gated(replace(_result([[2.0], [1.5], [1.2]]), batch_size=64), ref, [split], noise, None)
+    assert same.status is Outcome.OK
+    fewer = gated(replace(_result([[2.0], [1.5], [1.2]]), batch_size=32), ref, [split], noise, None)
+    assert fewer.status is Outcome.DIVERGED
+    assert fewer.error == "32 samples per optimizer step, the baseline's 64: the knobs changed what a step trains on"
 
 
 def test_no_visible_loss_admits_only_exact_knobs():

@@ -195,6 +195,12 @@ def gated(
     verdict = judge(result.with_(status=Outcome.OK), reference, changed, noise, rtol)
     if not judged:
         return result.with_(deviation=verdict.deviation)
+    if result.batch_size and reference.batch_size and result.batch_size != reference.batch_size:
+        # a batch split that reached the accumulation but not the micro-batch (or the other way round): each step
+        # trains on other samples, and steps/s would credit it for doing less
+        return result.with_(status=Outcome.DIVERGED, deviation=verdict.deviation, tolerance=verdict.tolerance, error=(
+            f"{result.batch_size} samples per optimizer step, the baseline's {reference.batch_size}: the knobs "
+            "changed what a step trains on"))
     status = Outcome.OK if verdict.passed else Outcome.DIVERGED
     error = None
     if not verdict.passed and math.isnan(verdict.deviation):
