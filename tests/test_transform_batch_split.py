@@ -233,3 +233,61 @@ def test_an_inner_loops_bigger_micro_batches_train_each_step_on_the_same_samples
     assert split["applied"] == ["batch_split.factor"] and base["applied"] == []
     flat = [v for row in split["losses"] for v in row]
     assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)
+
+
+# --- Lightning: Trainer(accumulate_grad_batches=...) -------------------------------------------------------
+
+
+def test_lightnings_accumulation_and_its_datamodules_batch_size_become_the_knob():
+    (site,) = sites("batch_split", "lightning")
+    assert (site.status, site.line) == (Status.APPLICABLE, 59)
+    assert site.reason.startswith("micro-batches of args.batch_size x args.accumulate accumulation steps")
+
+
+LIGHTNING = '''
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+class Data(L.LightningDataModule):
+    def __init__(self, batch_size=16):
+        super().__init__()
+        self.save_hyperparameters()
+    def train_dataloader(self):
+        return DataLoader(list(range(64)), {loader})
+def main(bs, accum):
+    model = torch.nn.Linear(1, 1)
+    data = Data({data})
+    trainer = L.Trainer(accumulate_grad_batches={accum})
+    trainer.fit(model, datamodule=data)
+'''
+
+
+@pytest.mark.parametrize("parts, reason", [
+    ({}, None),
+    ({"accum": "4"}, "accumulate_grad_batches=4 is not a variable or option of the script's own"),
+    ({"data": ""}, "the batch size Data's default is not a variable or option of the script's own"),
+    ({"loader": "batch_size=32"}, "Data's DataLoader batch size 32 is not self.<name> or self.hparams.<name>: where "
+                                  "it comes from is not known"),
+    ({"loader": "batch_size=self.hparams.batch_size, drop_last=True"},
+     "drop_last: a bigger batch would drop another tail of each epoch"),
+])
+def test_lightning_is_split_only_where_the_batch_size_is_traced_to_the_script(tmp_path, parts, reason):
+    fields = {"loader": "batch_size=self.hparams.batch_size, shuffle=True", "data": "batch_size=bs", "accum": "accum"}
+    fields.update(parts)
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING.format(**fields))
+    found = [(s.status, s.reason) for s in run(load_project(script), select(["batch_split"]), hooks=False).sites]
+    assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == [
+        (Status.APPLICABLE, None) if reason is None else (Status.NOT_APPLICABLE, reason)]
+
+
+def test_lightnings_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path):
+    pytest.importorskip("lightning")
+    script = _patched_script(tmp_path, "lightning")
+    args = ["--max-steps", "12", "--accumulate", "4", "--batch-size", "8"]
+    base = trial(script, args, tmp_path, warmup=1, steps=3)
+    split = trial(script, args, tmp_path, knobs={"batch_split.factor": 4}, warmup=1, steps=3)
+    assert base["status"] == split["status"] == "ok", split["error"]
+    assert split["applied"] == ["batch_split.factor"] and base["batch_size"] == split["batch_size"] == 32
+    flat = [v for row in split["losses"] for v in row]
+    assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)

@@ -11,7 +11,7 @@ from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.project import TrainingLoop
-from autotune.syntax import argument, assignments, enclosing_if, names_variable, scope_of, stmt, walk
+from autotune.syntax import argument, assignments, enclosing_if, is_literal, names_variable, scope_of, stmt, walk
 from autotune.transform import Edits, Status, Transform
 
 DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
@@ -65,10 +65,11 @@ class BatchSplit(Transform):
     )
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
-        for loop in self.project.loops:
-            if loop.module is not facts:
-                continue
-            found = self._split(facts, loop)
+        found_at = [(loop.node, self._split(facts, loop)) for loop in self.project.loops if loop.module is facts]
+        for call in facts.calls:
+            if self.project.derives(facts, call.func, LIGHTNING_TRAINERS):
+                found_at.append((call, self._lightning_split(facts, call)))
+        for at, found in found_at:
             if found is None:
                 continue
             if isinstance(found, tuple):
@@ -76,7 +77,7 @@ class BatchSplit(Transform):
                 status = Status.PRESENT if reason.startswith("the batch split is already") else Status.NOT_APPLICABLE
                 self.report(facts, node, status, reason)
                 continue
-            self.report(facts, loop.node, Status.APPLICABLE, (
+            self.report(facts, at, Status.APPLICABLE, (
                 f"micro-batches of {found.micro} x {found.accumulation} accumulation steps: the split of each "
                 "optimizer step's samples becomes a knob (bigger micro-batches, fewer accumulation steps, the same "
                 "samples in the same order)"))
@@ -208,6 +209,53 @@ class BatchSplit(Transform):
         after = _bound_once(facts, [micro_code, code], before)
         if isinstance(after, str):
             return inner, after.replace("before the DataLoader", "before the micro-batches are drawn")
+        return _Split(micro_code, code, after)
+
+    def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> _Split | tuple[cst.CSTNode, str] | None:
+        """``trainer = L.Trainer(accumulate_grad_batches=args.accum)`` trained by ``trainer.fit(...)``, whose training
+        DataLoader's batch size is a variable of the script: the DataLoader given to fit, or the one the
+        LightningDataModule (or LightningModule) builds in ``train_dataloader`` from ``self.batch_size`` or
+        ``self.hparams.batch_size``, given to its constructor. Lightning divides each micro-batch's loss by the
+        accumulation count itself."""
+        accumulation = argument(call, None, "accumulate_grad_batches")
+        if accumulation is None or is_literal(accumulation, 1):
+            return None
+        if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
+            return call, "the batch split is already a knob"
+        if not isinstance(accumulation, (cst.Name, cst.Attribute)) or not _plain(accumulation):
+            return call, (f"accumulate_grad_batches={facts.code(accumulation)} is not a variable or option of the "
+                          "script's own")
+        fit = _fit_of(facts, call)
+        if fit is None:
+            return call, "no trainer.fit(...) of this Trainer is found: which DataLoader it trains on is not known"
+        source = _lightning_loader(self.project, facts, fit)
+        if isinstance(source[1], str):
+            return source
+        micro, built, before = source
+        for keyword in ("batch_sampler", "sampler"):
+            if argument(built, None, keyword) is not None:
+                return built, f"{keyword}=: the samples of a micro-batch are the sampler's choice"
+        drop_last = argument(built, None, "drop_last")
+        if drop_last is not None and not is_literal(drop_last, False):
+            return built, "drop_last: a bigger batch would drop another tail of each epoch"
+        code, micro_code = facts.code(accumulation), facts.code(micro)
+        for expr_code, own in ((micro_code, micro), (code, accumulation)):
+            other = _other_use(facts, expr_code, own, call, set(), code if own is micro else micro_code)
+            if other is not None:
+                return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+        layer = self._per_micro_batch()
+        if layer is not None:
+            return call, layer
+        summed = _summed_loss(self.project)
+        if summed is not None:
+            return call, summed
+        first = min((before, facts.statement_of(call)), key=lambda st: _at(facts, st))
+        entry = _parameters(facts, [micro_code, code], first)
+        if entry is not None:
+            return _Split(micro_code, code, entry, first=True)
+        after = _bound_once(facts, [micro_code, code], first)
+        if isinstance(after, str):
+            return call, after.replace("before the DataLoader", "before the Trainer and its data are built")
         return _Split(micro_code, code, after)
 
     def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None):
@@ -389,6 +437,100 @@ def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, define
                           "change what it draws there, and the draws after it")
     first = min(calls, key=facts.position)
     return micro, facts.statement_of(first)
+
+
+LIGHTNING_TRAINERS = {
+    "lightning.Trainer", "lightning.pytorch.Trainer", "lightning.pytorch.trainer.trainer.Trainer",
+    "pytorch_lightning.Trainer", "pytorch_lightning.trainer.trainer.Trainer",
+}  # fmt: skip
+
+
+def _fit_of(facts: ModuleFacts, call: cst.Call) -> cst.Call | None:
+    """``trainer.fit(...)`` of the Trainer ``call`` builds (``trainer = L.Trainer(...)``), in the same function."""
+    at = facts.statement_of(call)
+    node = at.body[0] if isinstance(at, cst.SimpleStatementLine) and len(at.body) == 1 else None
+    if not (isinstance(node, cst.Assign) and node.value is call and len(node.targets) == 1
+            and isinstance(node.targets[0].target, cst.Name)):
+        return None
+    name = node.targets[0].target.value
+    for fit in facts.calls:
+        func = fit.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "fit" and isinstance(func.value, cst.Name) \
+                and func.value.value == name and facts.function_of(fit) is facts.function_of(call):
+            return fit
+    return None
+
+
+def _lightning_loader(project, facts: ModuleFacts, fit: cst.Call):
+    """(the batch size's expression in the script, the training DataLoader call, the statement before which the
+    split goes) for ``trainer.fit(model, train_dataloaders=loader)`` or ``trainer.fit(model, datamodule=data)``,
+    or (where, why not)."""
+    loader = argument(fit, 1, "train_dataloaders")
+    datamodule = argument(fit, None, "datamodule")
+    if isinstance(loader, cst.Name) and datamodule is None:
+        found = assignments(facts, scope_of(facts, fit), loader.value, before=fit)
+        value = found[0].value if len(found) == 1 else None
+        if not (isinstance(value, cst.Call) and facts.qualname(value.func) in DATALOADERS):
+            return fit, f"{loader.value} is not one DataLoader(...) of this function: its batch size is not known"
+        micro = argument(value, 1, "batch_size")
+        if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+            return value, "the DataLoader's batch size is not a variable or option of the script's own"
+        return micro, value, facts.statement_of(value)
+    holder = datamodule if datamodule is not None else (loader if loader is not None else argument(fit, 0, "model"))
+    if not isinstance(holder, cst.Name):
+        return fit, "the training data are not given by name to fit(): their batch size is not known"
+    found = assignments(facts, scope_of(facts, fit), holder.value, before=fit)
+    built = found[0].value if len(found) == 1 else None
+    if not isinstance(built, cst.Call):
+        return fit, f"{holder.value} is not built once in this function: its batch size is not known"
+    cls = _local_class(project, facts, built.func)
+    if cls is None:
+        return built, f"{facts.code(built.func)} is not a class of the script's: how it batches is not known"
+    method = next((m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "train_dataloader"),
+                  None)
+    init = next((m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None)
+    owner = next(f for f in project.modules if f.contains(f.module, cls))
+    loaders = [c for c in owner.nodes_in(method, cst.Call) if owner.qualname(c.func) in DATALOADERS] if method else []
+    if len(loaders) != 1 or init is None:
+        return built, f"{cls.name.value}.train_dataloader does not build one DataLoader: its batch size is not known"
+    size = argument(loaders[0], 1, "batch_size")
+    attr = _self_attribute(owner, size)
+    if attr is None:
+        return loaders[0], (f"{cls.name.value}'s DataLoader batch size {owner.code(size) if size else '(1)'} is not "
+                            "self.<name> or self.hparams.<name>: where it comes from is not known")
+    params = [p.name.value for p in init.params.params]
+    if attr not in params:
+        return loaders[0], f"{attr} is not a parameter of {cls.name.value}.__init__: where it comes from is not known"
+    micro = argument(built, params.index(attr) - 1, attr)
+    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+        shown = facts.code(micro) if micro is not None else f"{cls.name.value}'s default"
+        return built, f"the batch size {shown} is not a variable or option of the script's own"
+    return micro, loaders[0] if owner is facts else built, facts.statement_of(built)
+
+
+def _local_class(project, facts: ModuleFacts, func: cst.BaseExpression) -> cst.ClassDef | None:
+    """The class of the project that ``func`` names (in this module, by its name)."""
+    if not isinstance(func, cst.Name):
+        return None
+    for owner in project.modules:
+        for node in owner.module.body:
+            if isinstance(node, cst.ClassDef) and node.name.value == func.value and (owner is facts or facts.qualname(
+                    func) not in (None, func.value)):
+                return node
+    return None
+
+
+def _self_attribute(facts: ModuleFacts, size: cst.BaseExpression | None) -> str | None:
+    """``name`` of ``self.name``, ``self.hparams.name`` or ``self.hparams["name"]``."""
+    if isinstance(size, cst.Attribute) and isinstance(size.value, cst.Name) and size.value.value == "self":
+        return size.attr.value
+    if isinstance(size, cst.Attribute) and facts.code(size.value) == "self.hparams":
+        return size.attr.value
+    if isinstance(size, cst.Subscript) and facts.code(size.value) == "self.hparams" and len(size.slice) == 1:
+        index = size.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+            return index.value.evaluated_value
+    return None
 
 
 def _enumerated(loop: cst.For) -> tuple[str | None, str | None]:
