@@ -238,6 +238,21 @@ def bound_names(target: cst.BaseExpression) -> Iterator[str]:
         yield from bound_names(target.value)
 
 
+def is_setting(node: cst.BaseExpression) -> bool:
+    """A setting a script switches on: a variable, an attribute chain on one (``args.compile``,
+    ``config.train.compile``) or one of them indexed by a string (``config["compile"]``)."""
+    while True:
+        if isinstance(node, cst.Name):
+            return node.value not in ("True", "False", "None")
+        if isinstance(node, cst.Attribute):
+            node = node.value
+        elif isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
+                and isinstance(node.slice[0].slice.value, cst.SimpleString):
+            node = node.value
+        else:
+            return False
+
+
 def names_variable(facts: ModuleFacts, name: cst.Name) -> bool:
     """Whether ``name`` names a variable, read or bound (not the attribute of ``opt.step``, nor the keyword of
     ``f(step=1)``)."""

@@ -182,6 +182,23 @@ def test_the_scripts_own_compile_switch_is_the_knob_where_it_is_off():
     assert "if not args.compile:\n    model.compile()" in (CASES / "switch.bake.py").read_text()
 
 
+def test_a_switch_in_a_config_dict_is_the_knob_too(tmp_path):
+    from autotune.patch import run, select
+    from autotune.project import load_project
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nconfig = {'compile': False}\nmodel = nn.Linear(4, 1)\n"
+        "if config['compile']:\n    model = torch.compile(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for x in torch.randn(8, 2, 4):\n    loss = model(x).sum()\n    loss.backward()\n    opt.step()\n")
+    result = run(load_project(script), select(["compile"]), hooks=False)
+    (site,) = result.sites
+    assert site.status is Status.APPLICABLE and site.reason.startswith(
+        "if config['compile']: torch.compile(model): the script's own switch (present, switched off where "
+        "config['compile'] is false)")
+    assert "_autotune.compile_model(model, switch=config['compile'])" in result.files[0].new_text
+
+
 @pytest.mark.parametrize("switch, compiled", [(False, True), (True, False)])
 def test_compile_model_leaves_a_model_the_scripts_switch_compiled(switch, compiled, knobs):
     knobs(mode="default")

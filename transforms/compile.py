@@ -10,7 +10,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import scope_of, stmt, unique_name
+from autotune.syntax import is_setting, scope_of, stmt, unique_name
 
 from ._model import ClassRef, block_paths, model_class, training
 
@@ -263,12 +263,12 @@ class Compile(Transform):
 
 def _switch_of(facts: ModuleFacts, call: cst.Call) -> cst.If | None:
     """The ``if <switch>:`` whose body holds ``call``'s statement, where the switch is a name or an attribute
-    (``compile``, ``args.compile``, ``config.compile``) and the ``if`` has no ``else``."""
+    (``compile``, ``args.compile``, ``config.compile``, ``config["compile"]``) and the ``if`` has no ``else``."""
     at = facts.statement_of(call)
     for node in facts.ancestors(at):
         if isinstance(node, cst.If):
             body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
-            if at in body and node.orelse is None and isinstance(node.test, (cst.Name, cst.Attribute)):
+            if at in body and node.orelse is None and is_setting(node.test):
                 return node
             return None
         if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.For, cst.While, cst.With, cst.Try)):

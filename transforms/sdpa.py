@@ -7,7 +7,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import expr, scope_of
+from autotune.syntax import expr, is_setting, scope_of
 
 from ._attention import _Matcher
 from ._attention_exprs import (
@@ -127,12 +127,9 @@ class Sdpa(Transform):
                 continue
             if not isinstance(node.orelse, cst.Else) or not any(facts.contains(node.orelse, m) for m in manual):
                 return None
-            test = node.test
-            if facts.is_runtime_call(test, "sdpa_switch"):
+            if facts.is_runtime_call(node.test, "sdpa_switch"):
                 return node
-            while isinstance(test, cst.Attribute):
-                test = test.value
-            return node if isinstance(test, cst.Name) and test.value not in ("True", "False") else None
+            return node if is_setting(node.test) else None
         return None
 
     # --- finding attention -------------------------------------------------------------------------------
