@@ -449,11 +449,34 @@ def accumulate(*losses: Any, batch: Any = None) -> None:
 
 
 def step(*losses: Any, batch: Any = None, samples: int | None = None) -> None:
-    """Called by patched scripts after each optimizer step; does nothing outside a trial."""
+    """Called by patched scripts after each optimizer step; does nothing outside a trial.
+
+    Under Accelerate's own gradient accumulation (``Accelerator(gradient_accumulation_steps=n)`` with ``with
+    accelerator.accumulate(model):``) the script calls ``optimizer.step()`` on every micro-batch and Accelerate skips
+    all but the last of each n: only that one ends a step, whose loss is the mean of its micro-batches' (Accelerate
+    divides each by n in ``accelerator.backward``) and whose samples are theirs."""
     if _trial is not None:
         if not _save_checked:
             _wrap_torch_save()  # torch was imported without an import after it (the audit hook's other chance)
-        _trial.step(losses, batch, samples)
+        accumulating = _accelerate_accumulation()
+        if accumulating is None:
+            _trial.step(losses, batch, samples)
+            return
+        count, sync = accumulating
+        _trial.accumulate(tuple(loss / count for loss in losses), batch)
+        if sync:
+            _trial.step((), None, samples)
+
+
+def _accelerate_accumulation() -> tuple[int, bool] | None:
+    """(micro-batches per step, whether this one ends the step) where Accelerate accumulates gradients itself."""
+    state_module = sys.modules.get("accelerate.state")
+    state = getattr(state_module, "GradientState", None)
+    if state is None or not state._shared_state:
+        return None
+    gradient_state = state()
+    count = gradient_state.num_steps
+    return (count, bool(gradient_state.sync_gradients)) if isinstance(count, int) and count > 1 else None
 
 
 def framework_trial(trainer: Any) -> None:

@@ -291,3 +291,65 @@ def test_lightnings_bigger_micro_batches_train_each_step_on_the_same_samples(tmp
     assert split["applied"] == ["batch_split.factor"] and base["batch_size"] == split["batch_size"] == 32
     flat = [v for row in split["losses"] for v in row]
     assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)
+
+
+# --- Accelerate: Accelerator(gradient_accumulation_steps=...) ----------------------------------------------
+
+
+def test_accelerates_accumulation_and_the_loaders_batch_size_become_the_knob():
+    (site,) = sites("batch_split", "accelerate")
+    assert (site.status, site.line) == (Status.APPLICABLE, 14)
+    # the options object is the training function's parameter, and the function is called once: split on entry
+    assert "    args.batch_size, args.accumulate = _autotune.batch_split(args.batch_size, args.accumulate)\n" in \
+        case("batch_split", "accelerate").with_name("accelerate.out.py").read_text()
+
+
+ACCELERATE = '''
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+def train(bs, accum):
+    accelerator = Accelerator(gradient_accumulation_steps={accum})
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(torch.randn(64, 1), batch_size=bs, shuffle=True)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    for x in loader:
+        {context}
+            loss = model(x).pow(2).mean()
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+'''
+
+
+@pytest.mark.parametrize("parts, reason", [
+    ({}, None),
+    ({"accum": "4"}, "gradient_accumulation_steps=4 is not a variable or option of the script's own"),
+    ({"context": "if True:"}, "no loop runs its micro-batches `with accelerator.accumulate(model):`: Accelerate does "
+                              "not accumulate them"),
+])
+def test_accelerate_is_split_only_where_it_accumulates_itself(tmp_path, parts, reason):
+    fields = {"accum": "accum", "context": "with accelerator.accumulate(model):"}
+    fields.update(parts)
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE.format(**fields))
+    found = [(s.status, s.reason) for s in run(load_project(script), select(["batch_split"]), hooks=False).sites]
+    if reason is None:
+        assert [s for s, _ in found] == [Status.APPLICABLE]
+    else:
+        assert (Status.NOT_APPLICABLE, reason) in found and Status.APPLICABLE not in [s for s, _ in found]
+
+
+def test_accelerates_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path):
+    pytest.importorskip("accelerate")
+    script = _patched_script(tmp_path, "accelerate")
+    args = ["--epochs", "1", "--accumulate", "4", "--batch-size", "8"]
+    base = trial(script, args, tmp_path, warmup=1, steps=3)
+    split = trial(script, args, tmp_path, knobs={"batch_split.factor": 4}, warmup=1, steps=3)
+    assert base["status"] == split["status"] == "ok", split["error"]
+    # a step is Accelerate's optimizer step (the last of 4 micro-batches), its samples theirs
+    assert base["steps_done"] == split["steps_done"] == 4 and base["batch_size"] == split["batch_size"] == 32
+    assert split["applied"] == ["batch_split.factor"]
+    flat = [v for row in split["losses"] for v in row]
+    assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)

@@ -69,6 +69,8 @@ class BatchSplit(Transform):
         for call in facts.calls:
             if self.project.derives(facts, call.func, LIGHTNING_TRAINERS):
                 found_at.append((call, self._lightning_split(facts, call)))
+            elif self.project.derives(facts, call.func, ACCELERATORS):
+                found_at.append((call, self._accelerate_split(facts, call)))
         for at, found in found_at:
             if found is None:
                 continue
@@ -258,7 +260,67 @@ class BatchSplit(Transform):
             return call, after.replace("before the DataLoader", "before the Trainer and its data are built")
         return _Split(micro_code, code, after)
 
-    def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None):
+    def _accelerate_split(self, facts: ModuleFacts, call: cst.Call) -> _Split | tuple[cst.CSTNode, str] | None:
+        """``Accelerator(gradient_accumulation_steps=args.accum)`` with a loop of the script's own that runs each
+        micro-batch ``with accelerator.accumulate(model):`` over a DataLoader built with a batch size of the
+        script's: Accelerate divides each micro-batch's loss by the count and steps on the last of each count."""
+        accumulation = argument(call, None, "gradient_accumulation_steps")
+        if accumulation is None or is_literal(accumulation, 1):
+            return None
+        if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
+            return call, "the batch split is already a knob"
+        if not isinstance(accumulation, (cst.Name, cst.Attribute)) or not _plain(accumulation):
+            return call, (f"gradient_accumulation_steps={facts.code(accumulation)} is not a variable or option of the "
+                          "script's own")
+        loops = [loop for loop in self.project.loops if loop.module is facts and isinstance(loop.node, cst.For)
+                 and facts.function_of(loop.node) is facts.function_of(call)]
+        inside = [loop for loop in loops if any(_accumulate_context(facts, w) for w in facts.nodes_in(loop.node, cst.With))]
+        if not inside:
+            return call, "no loop runs its micro-batches `with accelerator.accumulate(model):`: Accelerate does not " \
+                         "accumulate them"
+        loop = inside[0].node
+        it = loop.iter.args[0].value if isinstance(loop.iter, cst.Call) and isinstance(loop.iter.func, cst.Name) \
+            and loop.iter.func.value == "enumerate" and loop.iter.args else loop.iter
+        if not isinstance(it, cst.Name):
+            return loop, f"the loop iterates {facts.code(it)}, not a DataLoader by name: its batch size is not known"
+        built = [a.value for a in assignments(facts, scope_of(facts, loop), it.value, before=loop)
+                 if isinstance(a.value, cst.Call) and facts.qualname(a.value.func) in DATALOADERS]
+        if len(built) != 1:
+            return loop, f"{it.value} is not built by one DataLoader(...) in this function: its batch size is not known"
+        built = built[0]
+        micro = argument(built, 1, "batch_size")
+        if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+            return built, "the DataLoader's batch size is not a variable or option of the script's own"
+        for keyword in ("batch_sampler", "sampler"):
+            if argument(built, None, keyword) is not None:
+                return built, f"{keyword}=: the samples of a micro-batch are the sampler's choice"
+        drop_last = argument(built, None, "drop_last")
+        if drop_last is not None and not is_literal(drop_last, False):
+            return built, "drop_last: a bigger batch would drop another tail of each epoch"
+        code, micro_code = facts.code(accumulation), facts.code(micro)
+        for expr_code, own in ((micro_code, micro), (code, accumulation)):
+            other = _other_use(facts, expr_code, own, call, set(), code if own is micro else micro_code)
+            if other is not None:
+                return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+        counted = self._per_micro_step(facts, loop.body, None, accelerated=True)
+        if counted is not None:
+            return counted
+        layer = self._per_micro_batch()
+        if layer is not None:
+            return call, layer
+        summed = _summed_loss(self.project)
+        if summed is not None:
+            return call, summed
+        first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: _at(facts, st))
+        entry = _parameters(facts, [micro_code, code], first)
+        if entry is not None:
+            return _Split(micro_code, code, entry, first=True)
+        after = _bound_once(facts, [micro_code, code], first)
+        if isinstance(after, str):
+            return call, after.replace("before the DataLoader", "before the Accelerator and the DataLoader are built")
+        return _Split(micro_code, code, after)
+
+    def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None, accelerated: bool = False):
         """(where, why) for a scheduler step or a gradient clip that runs once per micro-batch in ``body`` (outside
         ``step_if``, the optimizer step's condition): the split would change how often it runs."""
         for call in facts.nodes_in(body, cst.Call):
@@ -266,6 +328,14 @@ class BatchSplit(Transform):
                 continue
             func = call.func
             qual = facts.qualname(func) or ""
+            if accelerated:
+                # Accelerate's prepared scheduler steps with the optimizer (on the last micro-batch of each step);
+                # accelerator.clip_grad_norm_ clips only where gradients sync
+                if isinstance(func, cst.Attribute) and func.attr.value in ("clip_grad_norm_", "clip_grad_value_") \
+                        and "accelerator" in facts.code(func.value).lower():
+                    continue
+                if isinstance(func, cst.Attribute) and func.attr.value == "step":
+                    continue
             if isinstance(func, cst.Attribute) and func.attr.value == "step" and \
                     facts.code(func.value) in self.project.scheduler_names:
                 return call, (f"{facts.code(func.value)}.step() at line {_line(facts, call)} runs once per "
@@ -443,6 +513,15 @@ LIGHTNING_TRAINERS = {
     "lightning.Trainer", "lightning.pytorch.Trainer", "lightning.pytorch.trainer.trainer.Trainer",
     "pytorch_lightning.Trainer", "pytorch_lightning.trainer.trainer.Trainer",
 }  # fmt: skip
+
+
+ACCELERATORS = {"accelerate.Accelerator", "accelerate.accelerator.Accelerator"}
+
+
+def _accumulate_context(facts: ModuleFacts, node: cst.With) -> bool:
+    """``with accelerator.accumulate(model):``."""
+    return any(isinstance(item.item, cst.Call) and isinstance(item.item.func, cst.Attribute)
+               and item.item.func.attr.value == "accumulate" for item in node.items)
 
 
 def _fit_of(facts: ModuleFacts, call: cst.Call) -> cst.Call | None:
@@ -685,19 +764,29 @@ def _parameters(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement)
     """The first statement of the function holding ``before`` (after its docstring), where every one of ``codes``
     is a plain parameter of it that the function never rebinds: split there, each call splits its own values."""
     function = facts.function_of(before)
-    if function is None or not all("." not in code for code in codes):
+    if function is None:
         return None
     params = {p.name.value for p in function.params.params} | {p.name.value for p in function.params.kwonly_params}
-    if not all(code in params and not assignments(facts, function, code) for code in codes):
+    bases = {code.split(".", 1)[0] for code in codes}
+    if not all(base in params and not assignments(facts, function, base) for base in bases):
         return None
-    if any(isinstance(n, (cst.AugAssign, cst.AnnAssign)) and facts.code(n.target) in codes
+    if any(isinstance(n, (cst.AugAssign, cst.AnnAssign, cst.AssignTarget)) and
+           (facts.code(n.target) in codes or facts.code(n.target).split(".", 1)[0] in bases and "." in facts.code(n.target))
            for n in walk(function.body)):
-        return None
+        return None  # the function rebinds them (or attributes of the options object) itself
+    if any("." in code for code in codes) and not _called_once(facts, function):
+        return None  # an options object split at each call would be split again by a second call
     body = list(function.body.body)
     if len(body) > 1 and isinstance(body[0], cst.SimpleStatementLine) and isinstance(body[0].body[0], cst.Expr) \
             and isinstance(body[0].body[0].value, (cst.SimpleString, cst.ConcatenatedString)):
         return body[1]
     return body[0]
+
+
+def _called_once(facts: ModuleFacts, function: cst.FunctionDef) -> bool:
+    """Whether the module calls ``function`` (by its name) exactly once, outside any loop."""
+    calls = [c for c in facts.calls if isinstance(c.func, cst.Name) and c.func.value == function.name.value]
+    return len(calls) == 1 and not any(isinstance(a, (cst.For, cst.While)) for a in facts.ancestors(calls[0]))
 
 
 def _zero(node: cst.BaseExpression) -> bool:
