@@ -135,16 +135,9 @@ class BatchSplit(Transform):
         built = _loader_call(facts, node, loader)
         if isinstance(built, str):
             return node, built
-        micro = argument(built, 1, "batch_size")
-        if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
-            shown = facts.code(micro) if micro is not None else "DataLoader's default of 1"
-            return built, f"the batch size {shown} is not a variable or option of the script's own"
-        for keyword in ("batch_sampler", "sampler"):
-            if argument(built, None, keyword) is not None:
-                return built, f"{keyword}=: the samples of a micro-batch are the sampler's choice"
-        drop_last = argument(built, None, "drop_last")
-        if drop_last is not None and not (isinstance(drop_last, cst.Name) and drop_last.value == "False"):
-            return built, "drop_last: a bigger batch would drop another tail of each epoch"
+        micro = _batch_size_of(facts, built)
+        if isinstance(micro, str):
+            return built, micro
         micro_code = facts.code(micro)
         losses = {facts.code(e) for e in scope.loss_exprs()}
         for expr_code, own in ((micro_code, micro), (code, accumulation)):
@@ -155,12 +148,9 @@ class BatchSplit(Transform):
         counted = self._per_micro_step(facts, node.body, if_)
         if counted is not None:
             return counted
-        layer = self._per_micro_batch()
-        if layer is not None:
-            return node, layer
-        summed = _summed_loss(self.project)
-        if summed is not None:
-            return node, summed
+        changed = self._changes_the_math()
+        if changed is not None:
+            return node, changed
         after = _bound_once(facts, [micro_code, code], facts.statement_of(built))
         if isinstance(after, str):
             return built, after
@@ -200,12 +190,9 @@ class BatchSplit(Transform):
         counted = self._per_micro_step(facts, inner.body, None)
         if counted is not None:
             return counted
-        layer = self._per_micro_batch()
-        if layer is not None:
-            return inner, layer
-        summed = _summed_loss(self.project)
-        if summed is not None:
-            return inner, summed
+        changed = self._changes_the_math()
+        if changed is not None:
+            return inner, changed
         if first is not None:
             return _Split(micro_code, code, first, first=True)
         after = _bound_once(facts, [micro_code, code], before)
@@ -234,23 +221,17 @@ class BatchSplit(Transform):
         if isinstance(source[1], str):
             return source
         micro, built, before = source
-        for keyword in ("batch_sampler", "sampler"):
-            if argument(built, None, keyword) is not None:
-                return built, f"{keyword}=: the samples of a micro-batch are the sampler's choice"
-        drop_last = argument(built, None, "drop_last")
-        if drop_last is not None and not is_literal(drop_last, False):
-            return built, "drop_last: a bigger batch would drop another tail of each epoch"
+        refused = _loader_refuses(built)
+        if refused is not None:
+            return built, refused
         code, micro_code = facts.code(accumulation), facts.code(micro)
         for expr_code, own in ((micro_code, micro), (code, accumulation)):
             other = _other_use(facts, expr_code, own, call, set(), code if own is micro else micro_code)
             if other is not None:
                 return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
-        layer = self._per_micro_batch()
-        if layer is not None:
-            return call, layer
-        summed = _summed_loss(self.project)
-        if summed is not None:
-            return call, summed
+        changed = self._changes_the_math()
+        if changed is not None:
+            return call, changed
         first = min((before, facts.statement_of(call)), key=lambda st: _at(facts, st))
         entry = _parameters(facts, [micro_code, code], first)
         if entry is not None:
@@ -288,15 +269,9 @@ class BatchSplit(Transform):
         if len(built) != 1:
             return loop, f"{it.value} is not built by one DataLoader(...) in this function: its batch size is not known"
         built = built[0]
-        micro = argument(built, 1, "batch_size")
-        if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
-            return built, "the DataLoader's batch size is not a variable or option of the script's own"
-        for keyword in ("batch_sampler", "sampler"):
-            if argument(built, None, keyword) is not None:
-                return built, f"{keyword}=: the samples of a micro-batch are the sampler's choice"
-        drop_last = argument(built, None, "drop_last")
-        if drop_last is not None and not is_literal(drop_last, False):
-            return built, "drop_last: a bigger batch would drop another tail of each epoch"
+        micro = _batch_size_of(facts, built)
+        if isinstance(micro, str):
+            return built, micro
         code, micro_code = facts.code(accumulation), facts.code(micro)
         for expr_code, own in ((micro_code, micro), (code, accumulation)):
             other = _other_use(facts, expr_code, own, call, set(), code if own is micro else micro_code)
@@ -305,12 +280,9 @@ class BatchSplit(Transform):
         counted = self._per_micro_step(facts, loop.body, None, accelerated=True)
         if counted is not None:
             return counted
-        layer = self._per_micro_batch()
-        if layer is not None:
-            return call, layer
-        summed = _summed_loss(self.project)
-        if summed is not None:
-            return call, summed
+        changed = self._changes_the_math()
+        if changed is not None:
+            return call, changed
         first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: _at(facts, st))
         entry = _parameters(facts, [micro_code, code], first)
         if entry is not None:
@@ -345,6 +317,11 @@ class BatchSplit(Transform):
                               "gradients: the split would change what is clipped")
         return None
 
+    def _changes_the_math(self) -> str | None:
+        """Why the same samples in other micro-batches would train differently, if they would: a layer that works
+        per micro-batch, or a loss summed over samples."""
+        return self._per_micro_batch() or _summed_loss(self.project)
+
     def _per_micro_batch(self) -> str | None:
         """Why the model trains differently on other micro-batches of the same samples, if it may."""
         for facts in self.project.modules:
@@ -368,6 +345,28 @@ class BatchSplit(Transform):
                     return (f"{qual.rsplit('.', 1)[-1]}({facts.code(p)}) at {where}: dropout draws its masks per "
                             "micro-batch (0 is the only probability known here to be safe)")
         return None
+
+
+def _batch_size_of(facts: ModuleFacts, built: cst.Call) -> cst.BaseExpression | str:
+    """The batch size a ``DataLoader(...)`` call is given, where it is a variable or option of the script's own
+    and the loader's batches would split into the same samples; else why not."""
+    micro = argument(built, 1, "batch_size")
+    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+        shown = facts.code(micro) if micro is not None else "DataLoader's default of 1"
+        return f"the batch size {shown} is not a variable or option of the script's own"
+    return _loader_refuses(built) or micro
+
+
+def _loader_refuses(built: cst.Call) -> str | None:
+    """Why a DataLoader's batches would not split into the same samples, if they would not: a sampler chooses each
+    batch's samples, or drop_last drops another tail of each epoch at another batch size."""
+    for keyword in ("batch_sampler", "sampler"):
+        if argument(built, None, keyword) is not None:
+            return f"{keyword}=: the samples of a micro-batch are the sampler's choice"
+    drop_last = argument(built, None, "drop_last")
+    if drop_last is not None and not is_literal(drop_last, False):
+        return "drop_last: a bigger batch would drop another tail of each epoch"
+    return None
 
 
 def _summed_loss(project) -> str | None:
@@ -457,16 +456,9 @@ def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str):
     built = _loader_call(facts, inner, loader)
     if isinstance(built, str):
         return inner, built
-    micro = argument(built, 1, "batch_size")
-    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
-        shown = facts.code(micro) if micro is not None else "DataLoader's default of 1"
-        return built, f"the batch size {shown} is not a variable or option of the script's own"
-    for keyword in ("batch_sampler", "sampler"):
-        if argument(built, None, keyword) is not None:
-            return built, f"{keyword}=: the samples of a micro-batch are the sampler's choice"
-    drop_last = argument(built, None, "drop_last")
-    if drop_last is not None and not (isinstance(drop_last, cst.Name) and drop_last.value == "False"):
-        return built, "drop_last: a bigger batch would drop another tail of each epoch"
+    micro = _batch_size_of(facts, built)
+    if isinstance(micro, str):
+        return built, micro
     return micro, facts.statement_of(built)
 
 
