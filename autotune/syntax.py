@@ -238,19 +238,26 @@ def bound_names(target: cst.BaseExpression) -> Iterator[str]:
         yield from bound_names(target.value)
 
 
-def is_setting(node: cst.BaseExpression) -> bool:
-    """A setting a script switches on: a variable, an attribute chain on one (``args.compile``,
-    ``config.train.compile``) or one of them indexed by a string (``config["compile"]``)."""
+def is_reference(node: cst.BaseExpression | None, indexes: tuple[type, ...] = ()) -> bool:
+    """A variable, an attribute chain on one (``accum``, ``args.accum``, ``cfg.train.accum``), or one of them indexed
+    by a constant of the kinds ``indexes`` allows (``config["compile"]``, ``batch[0]``): read a second time it is the
+    same value, and nothing runs to get it."""
     while True:
         if isinstance(node, cst.Name):
             return node.value not in ("True", "False", "None")
         if isinstance(node, cst.Attribute):
             node = node.value
-        elif isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
-                and isinstance(node.slice[0].slice.value, cst.SimpleString):
+        elif indexes and isinstance(node, cst.Subscript) and len(node.slice) == 1 \
+                and isinstance(node.slice[0].slice, cst.Index) and isinstance(node.slice[0].slice.value, indexes):
             node = node.value
         else:
             return False
+
+
+def is_setting(node: cst.BaseExpression) -> bool:
+    """A setting a script switches on: a variable, an attribute chain on one (``args.compile``,
+    ``config.train.compile``) or one of them indexed by a string (``config["compile"]``)."""
+    return is_reference(node, (cst.SimpleString,))
 
 
 def names_variable(facts: ModuleFacts, name: cst.Name) -> bool:

@@ -11,16 +11,18 @@ from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.project import TrainingLoop
-from autotune.syntax import argument, assignments, enclosing_if, is_literal, names_variable, scope_of, stmt, walk
+from autotune.syntax import (
+    argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, walk,
+)
 from autotune.transform import Edits, Status, Transform
+from autotune.transforms._step import CLIP
+from autotune.transforms.accelerator import ACCELERATORS
+from autotune.transforms.checkpointing import STATEFUL
+from autotune.transforms.dataloader import DATALOADERS
+from autotune.transforms.lightning_trainer import TRAINERS
 
-DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 # layers whose training depends on which samples share a micro-batch, or on the order of random draws per layer
-BATCH_NORMS = {
-    "torch.nn.BatchNorm1d", "torch.nn.BatchNorm2d", "torch.nn.BatchNorm3d", "torch.nn.SyncBatchNorm",
-    "torch.nn.LazyBatchNorm1d", "torch.nn.LazyBatchNorm2d", "torch.nn.LazyBatchNorm3d",
-    "torch.nn.functional.batch_norm",
-}  # fmt: skip
+BATCH_NORMS = STATEFUL | {"torch.nn.functional.batch_norm"}
 DROPOUTS = {
     "torch.nn.Dropout", "torch.nn.Dropout1d", "torch.nn.Dropout2d", "torch.nn.Dropout3d", "torch.nn.AlphaDropout",
     "torch.nn.functional.dropout", "torch.nn.functional.dropout1d", "torch.nn.functional.dropout2d",
@@ -32,9 +34,6 @@ DROPOUT_KEYWORD = {
     "torch.nn.MultiheadAttention": 0.0, "torch.nn.LSTM": 0.0, "torch.nn.GRU": 0.0, "torch.nn.RNN": 0.0,
 }  # fmt: skip
 
-
-CLIPS = {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad.clip_grad_norm_",
-         "torch.nn.utils.clip_grad.clip_grad_value_"}
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class BatchSplit(Transform):
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         found_at = [(loop.node, self._split(facts, loop)) for loop in self.project.loops if loop.module is facts]
         for call in facts.calls:
-            if self.project.derives(facts, call.func, LIGHTNING_TRAINERS):
+            if self.project.derives(facts, call.func, TRAINERS):
                 found_at.append((call, self._lightning_split(facts, call)))
             elif self.project.derives(facts, call.func, ACCELERATORS):
                 found_at.append((call, self._accelerate_split(facts, call)))
@@ -211,7 +210,7 @@ class BatchSplit(Transform):
             return None
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return call, "the batch split is already a knob"
-        if not isinstance(accumulation, (cst.Name, cst.Attribute)) or not _plain(accumulation):
+        if not is_reference(accumulation):
             return call, (f"accumulate_grad_batches={facts.code(accumulation)} is not a variable or option of the "
                           "script's own")
         fit = _fit_of(facts, call)
@@ -250,7 +249,7 @@ class BatchSplit(Transform):
             return None
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return call, "the batch split is already a knob"
-        if not isinstance(accumulation, (cst.Name, cst.Attribute)) or not _plain(accumulation):
+        if not is_reference(accumulation):
             return call, (f"gradient_accumulation_steps={facts.code(accumulation)} is not a variable or option of the "
                           "script's own")
         loops = [loop for loop in self.project.loops if loop.module is facts and isinstance(loop.node, cst.For)
@@ -312,7 +311,7 @@ class BatchSplit(Transform):
                     facts.code(func.value) in self.project.scheduler_names:
                 return call, (f"{facts.code(func.value)}.step() at line {_line(facts, call)} runs once per "
                               "micro-batch: the split would change the learning-rate schedule")
-            if qual in CLIPS:
+            if qual in CLIP:
                 return call, (f"{qual.rsplit('.', 1)[-1]} at line {_line(facts, call)} clips each micro-batch's "
                               "gradients: the split would change what is clipped")
         return None
@@ -351,7 +350,7 @@ def _batch_size_of(facts: ModuleFacts, built: cst.Call) -> cst.BaseExpression | 
     """The batch size a ``DataLoader(...)`` call is given, where it is a variable or option of the script's own
     and the loader's batches would split into the same samples; else why not."""
     micro = argument(built, 1, "batch_size")
-    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+    if not is_reference(micro):
         shown = facts.code(micro) if micro is not None else "DataLoader's default of 1"
         return f"the batch size {shown} is not a variable or option of the script's own"
     return _loader_refuses(built) or micro
@@ -398,7 +397,7 @@ def _micro_loop(facts: ModuleFacts, loop: cst.For | cst.While, scope) -> cst.For
         if any(facts.contains(inner, step) for step in scope.steps):
             continue
         value = it.args[0].value
-        return inner if isinstance(value, (cst.Name, cst.Attribute)) and _plain(value) else None
+        return inner if is_reference(value) else None
     return None
 
 
@@ -477,7 +476,7 @@ def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, define
                     None)
     elements = size.elements if isinstance(size, (cst.Tuple, cst.List)) else ()
     micro = elements[0].value if len(elements) == 1 else None
-    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+    if not is_reference(micro):
         shown = facts.code(size) if size is not None else "no size"
         return draw, f"torch.randint's size {shown} is not (batch_size,) of a variable of the script's own"
     base = micro.value if isinstance(micro, cst.Name) else facts.code(micro).split(".", 1)[0]
@@ -499,15 +498,6 @@ def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, define
                           "change what it draws there, and the draws after it")
     first = min(calls, key=facts.position)
     return micro, facts.statement_of(first)
-
-
-LIGHTNING_TRAINERS = {
-    "lightning.Trainer", "lightning.pytorch.Trainer", "lightning.pytorch.trainer.trainer.Trainer",
-    "pytorch_lightning.Trainer", "pytorch_lightning.trainer.trainer.Trainer",
-}  # fmt: skip
-
-
-ACCELERATORS = {"accelerate.Accelerator", "accelerate.accelerator.Accelerator"}
 
 
 def _accumulate_context(facts: ModuleFacts, node: cst.With) -> bool:
@@ -544,7 +534,7 @@ def _lightning_loader(project, facts: ModuleFacts, fit: cst.Call):
         if not (isinstance(value, cst.Call) and facts.qualname(value.func) in DATALOADERS):
             return fit, f"{loader.value} is not one DataLoader(...) of this function: its batch size is not known"
         micro = argument(value, 1, "batch_size")
-        if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+        if not is_reference(micro):
             return value, "the DataLoader's batch size is not a variable or option of the script's own"
         return micro, value, facts.statement_of(value)
     holder = datamodule if datamodule is not None else (loader if loader is not None else argument(fit, 0, "model"))
@@ -573,7 +563,7 @@ def _lightning_loader(project, facts: ModuleFacts, fit: cst.Call):
     if attr not in params:
         return loaders[0], f"{attr} is not a parameter of {cls.name.value}.__init__: where it comes from is not known"
     micro = argument(built, params.index(attr) - 1, attr)
-    if not isinstance(micro, (cst.Name, cst.Attribute)) or not _plain(micro):
+    if not is_reference(micro):
         shown = facts.code(micro) if micro is not None else f"{cls.name.value}'s default"
         return built, f"the batch size {shown} is not a variable or option of the script's own"
     return micro, loaders[0] if owner is facts else built, facts.statement_of(built)
@@ -640,7 +630,7 @@ def _accumulation(facts: ModuleFacts, test: cst.BaseExpression, counter: str, st
                and isinstance(left.left, cst.Name) and left.left.value == counter
                and isinstance(left.right, cst.Integer) and left.right.value == "1")
     counted = counted or (start == 1 and isinstance(left, cst.Name) and left.value == counter)
-    if not counted or not isinstance(right, (cst.Name, cst.Attribute)) or not _plain(right):
+    if not counted or not is_reference(right):
         return None
     return right
 
@@ -654,13 +644,6 @@ def _at(facts: ModuleFacts, statement: cst.BaseStatement) -> tuple[int, int]:
     """Where a statement is (a simple statement line has no position of its own: its first statement's)."""
     return facts.position(statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and statement.body
                           else statement)
-
-
-def _plain(node: cst.BaseExpression) -> bool:
-    """A variable or an attribute chain on one (``accum``, ``args.accum``, ``cfg.train.accum``)."""
-    while isinstance(node, cst.Attribute):
-        node = node.value
-    return isinstance(node, cst.Name)
 
 
 def _divides(facts: ModuleFacts, node: cst.CSTNode, code: str) -> bool:

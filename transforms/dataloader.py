@@ -13,7 +13,7 @@ from autotune.syntax import (
 from autotune.transforms._model import ClassRef, find_class, model_class, training
 from autotune.transforms._sites import h2d_copy, short
 
-_DATALOADER = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
+DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
 # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, ...): the sixth positional argument
 # and those after it would be settings passed by position.
@@ -66,7 +66,7 @@ class Dataloader(Transform):
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
         for call in facts.calls:
-            if facts.qualname(call.func) not in _DATALOADER:
+            if facts.qualname(call.func) not in DATALOADERS:
                 continue
             if not self.project.trains:
                 self.report(facts, call, Status.NOT_APPLICABLE, "no training loop in this script")

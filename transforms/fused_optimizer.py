@@ -9,6 +9,7 @@ from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import add_args, argument, is_literal, keyword, kwarg, star_kwargs
 from autotune.transforms._settings import lightning_precision_on
+from autotune.transforms.lightning_trainer import TRAINERS
 
 # The optimizers whose constructors take both fused= and foreach= in torch 2.4+; fused runs on CPU and CUDA.
 FUSABLE = {f"torch.optim.{n}" for n in ("Adam", "AdamW", "SGD")} | {
@@ -76,8 +77,6 @@ class FusedOptimizer(Transform):
         gradient_clip_val (not None or 0): Lightning's mixed precision refuses to clip the gradients of an optimizer
         that unscales them itself, which a fused one does (its precision plugin raises "does not allow for gradient
         clipping because it performs unscaling of gradients internally")."""
-        from autotune.transforms.lightning_trainer import TRAINERS
-
         for facts in self.project.modules:
             for call in facts.calls:
                 if not self.project.derives(facts, call.func, TRAINERS):

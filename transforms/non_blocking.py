@@ -7,7 +7,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import add_args, is_literal, keyword, kwarg, star_kwargs
+from autotune.syntax import add_args, is_literal, is_reference, keyword, kwarg, star_kwargs
 from autotune.transforms._sites import (
     device_arg,
     in_regions,
@@ -18,6 +18,8 @@ from autotune.transforms._sites import (
     training_regions,
 )
 
+# a receiver read again for the runtime's check: x, batch.x, batch["x"], batch[0], batch[key]
+_SAME_EACH_TIME = (cst.Name, cst.SimpleString, cst.Integer)
 # The positional slot of non_blocking: Tensor.to(device, dtype, non_blocking), Tensor.cuda(device, non_blocking).
 _POSITION = {"to": 2, "cuda": 1}
 
@@ -92,7 +94,7 @@ class NonBlocking(Transform):
                 # tokenizer's BatchEncoding of transformers 4 takes no non_blocking); the receiver, where it is a
                 # plain name or subscript, is shown to the runtime, which passes non_blocking only where its
                 # method takes it
-                receiver = facts.code(func.value) if _plain(func.value) else ""
+                receiver = facts.code(func.value) if is_reference(func.value, _SAME_EACH_TIME) else ""
                 new = star_kwargs(f"{edits.runtime('non_blocking')}({receiver})")
             elif self.mode.value(self.knobs[0]):
                 new = kwarg("non_blocking", "True")
@@ -118,21 +120,6 @@ class NonBlocking(Transform):
             return is_host_device(facts, device.value)
         positional = [a.value for a in call.args if a.keyword is None and not a.star]
         return bool(positional) and is_host_device(facts, positional[0])
-
-
-def _plain(node: cst.BaseExpression) -> bool:
-    """A name, an attribute of one or a subscript by a name or constant (``x``, ``batch.x``, ``batch["x"]``):
-    evaluated a second time, it is the same object, and nothing runs twice."""
-    while True:
-        if isinstance(node, cst.Name):
-            return True
-        if isinstance(node, cst.Attribute):
-            node = node.value
-        elif isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
-                and isinstance(node.slice[0].slice.value, (cst.Name, cst.SimpleString, cst.Integer)):
-            node = node.value
-        else:
-            return False
 
 
 # Device names a branch test compares with: any but "cuda" means the branch runs off CUDA.
