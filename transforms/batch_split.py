@@ -139,18 +139,16 @@ class BatchSplit(Transform):
             return built, micro
         micro_code = facts.code(micro)
         losses = {facts.code(e) for e in scope.loss_exprs()}
-        for expr_code, own in ((micro_code, micro), (code, accumulation)):
-            other = _other_use(facts, expr_code, own, node, losses if own is accumulation else set())
-            if other is not None:
-                line = _line(facts, other)
-                return other, f"{expr_code} is also read at line {line}: the split would change it"
+        read = _read_elsewhere(facts, micro, accumulation, node, losses)
+        if read is not None:
+            return read
         counted = self._per_micro_step(facts, node.body, if_)
         if counted is not None:
             return counted
         changed = self._changes_the_math()
         if changed is not None:
             return node, changed
-        after = _bound_once(facts, [micro_code, code], facts.statement_of(built))
+        after = _bound_once(facts, [micro_code, code], facts.statement_of(built), "the DataLoader is built")
         if isinstance(after, str):
             return built, after
         return _Split(micro_code, code, after)
@@ -182,22 +180,16 @@ class BatchSplit(Transform):
         losses = {facts.code(e) for e in scope.loss_exprs()}
         first = _parameters(facts, [micro_code, code], before)
         within = facts.function_of(before) if first is not None else None  # parameters: read in their function only
-        for expr_code, own, partner in ((micro_code, micro, code), (code, accumulation, micro_code)):
-            other = _other_use(facts, expr_code, own, inner, losses if own is accumulation else set(), partner, within)
-            if other is not None:
-                return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+        read = _read_elsewhere(facts, micro, accumulation, inner, losses, products=True, within=within)
+        if read is not None:
+            return read
         counted = self._per_micro_step(facts, inner.body, None)
         if counted is not None:
             return counted
         changed = self._changes_the_math()
         if changed is not None:
             return inner, changed
-        if first is not None:
-            return _Split(micro_code, code, first, first=True)
-        after = _bound_once(facts, [micro_code, code], before)
-        if isinstance(after, str):
-            return inner, after.replace("before the DataLoader", "before the micro-batches are drawn")
-        return _Split(micro_code, code, after)
+        return _placed(facts, micro_code, code, before, inner, "the micro-batches are drawn")
 
     def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> _Split | tuple[cst.CSTNode, str] | None:
         """``trainer = L.Trainer(accumulate_grad_batches=args.accum)`` trained by ``trainer.fit(...)``, whose training
@@ -205,14 +197,9 @@ class BatchSplit(Transform):
         LightningDataModule (or LightningModule) builds in ``train_dataloader`` from ``self.batch_size`` or
         ``self.hparams.batch_size``, given to its constructor. Lightning divides each micro-batch's loss by the
         accumulation count itself."""
-        accumulation = argument(call, None, "accumulate_grad_batches")
-        if accumulation is None or is_literal(accumulation, 1):
-            return None
-        if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
-            return call, "the batch split is already a knob"
-        if not is_reference(accumulation):
-            return call, (f"accumulate_grad_batches={facts.code(accumulation)} is not a variable or option of the "
-                          "script's own")
+        accumulation = _accumulation_keyword(facts, call, "accumulate_grad_batches")
+        if not isinstance(accumulation, cst.BaseExpression):
+            return accumulation
         fit = _fit_of(facts, call)
         if fit is None:
             return call, "no trainer.fit(...) of this Trainer is found: which DataLoader it trains on is not known"
@@ -223,35 +210,22 @@ class BatchSplit(Transform):
         refused = _loader_refuses(built)
         if refused is not None:
             return built, refused
-        code, micro_code = facts.code(accumulation), facts.code(micro)
-        for expr_code, own in ((micro_code, micro), (code, accumulation)):
-            other = _other_use(facts, expr_code, own, call, set(), code if own is micro else micro_code)
-            if other is not None:
-                return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+        read = _read_elsewhere(facts, micro, accumulation, call, products=True)
+        if read is not None:
+            return read
         changed = self._changes_the_math()
         if changed is not None:
             return call, changed
         first = min((before, facts.statement_of(call)), key=lambda st: _at(facts, st))
-        entry = _parameters(facts, [micro_code, code], first)
-        if entry is not None:
-            return _Split(micro_code, code, entry, first=True)
-        after = _bound_once(facts, [micro_code, code], first)
-        if isinstance(after, str):
-            return call, after.replace("before the DataLoader", "before the Trainer and its data are built")
-        return _Split(micro_code, code, after)
+        return _placed(facts, facts.code(micro), facts.code(accumulation), first, call, "the Trainer and its data are built")
 
     def _accelerate_split(self, facts: ModuleFacts, call: cst.Call) -> _Split | tuple[cst.CSTNode, str] | None:
         """``Accelerator(gradient_accumulation_steps=args.accum)`` with a loop of the script's own that runs each
         micro-batch ``with accelerator.accumulate(model):`` over a DataLoader built with a batch size of the
         script's: Accelerate divides each micro-batch's loss by the count and steps on the last of each count."""
-        accumulation = argument(call, None, "gradient_accumulation_steps")
-        if accumulation is None or is_literal(accumulation, 1):
-            return None
-        if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
-            return call, "the batch split is already a knob"
-        if not is_reference(accumulation):
-            return call, (f"gradient_accumulation_steps={facts.code(accumulation)} is not a variable or option of the "
-                          "script's own")
+        accumulation = _accumulation_keyword(facts, call, "gradient_accumulation_steps")
+        if not isinstance(accumulation, cst.BaseExpression):
+            return accumulation
         loops = [loop for loop in self.project.loops if loop.module is facts and isinstance(loop.node, cst.For)
                  and facts.function_of(loop.node) is facts.function_of(call)]
         inside = [loop for loop in loops if any(_accumulate_context(facts, w) for w in facts.nodes_in(loop.node, cst.With))]
@@ -271,11 +245,9 @@ class BatchSplit(Transform):
         micro = _batch_size_of(facts, built)
         if isinstance(micro, str):
             return built, micro
-        code, micro_code = facts.code(accumulation), facts.code(micro)
-        for expr_code, own in ((micro_code, micro), (code, accumulation)):
-            other = _other_use(facts, expr_code, own, call, set(), code if own is micro else micro_code)
-            if other is not None:
-                return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+        read = _read_elsewhere(facts, micro, accumulation, call, products=True)
+        if read is not None:
+            return read
         counted = self._per_micro_step(facts, loop.body, None, accelerated=True)
         if counted is not None:
             return counted
@@ -283,13 +255,8 @@ class BatchSplit(Transform):
         if changed is not None:
             return call, changed
         first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: _at(facts, st))
-        entry = _parameters(facts, [micro_code, code], first)
-        if entry is not None:
-            return _Split(micro_code, code, entry, first=True)
-        after = _bound_once(facts, [micro_code, code], first)
-        if isinstance(after, str):
-            return call, after.replace("before the DataLoader", "before the Accelerator and the DataLoader are built")
-        return _Split(micro_code, code, after)
+        return _placed(facts, facts.code(micro), facts.code(accumulation), first, call,
+                       "the Accelerator and the DataLoader are built")
 
     def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None, accelerated: bool = False):
         """(where, why) for a scheduler step or a gradient clip that runs once per micro-batch in ``body`` (outside
@@ -667,6 +634,45 @@ def _loader_call(facts: ModuleFacts, loop: cst.For, loader: str) -> cst.Call | s
     return value
 
 
+def _accumulation_keyword(facts: ModuleFacts, call: cst.Call, keyword: str):
+    """The accumulation count a framework's constructor is given (``accumulate_grad_batches=args.accum``), where it
+    is a variable or option of the script's; None where it is not given or 1 (nothing accumulates); else (where,
+    why not)."""
+    accumulation = argument(call, None, keyword)
+    if accumulation is None or is_literal(accumulation, 1):
+        return None
+    if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
+        return call, "the batch split is already a knob"
+    if not is_reference(accumulation):
+        return call, f"{keyword}={facts.code(accumulation)} is not a variable or option of the script's own"
+    return accumulation
+
+
+def _read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: cst.BaseExpression,
+                    loop: cst.CSTNode, losses: set[str] = frozenset(), products: bool = False,
+                    within: cst.CSTNode | None = None) -> tuple[cst.CSTNode, str] | None:
+    """(where, why) for a read of the micro-batch size or the accumulation count that the split would change (see
+    ``_other_use``; ``products``: their product, the samples per step, does not change), or None."""
+    micro_code, code = facts.code(micro), facts.code(accumulation)
+    for expr_code, own, partner in ((micro_code, micro, code), (code, accumulation, micro_code)):
+        other = _other_use(facts, expr_code, own, loop, losses if own is accumulation else set(),
+                           partner if products else None, within)
+        if other is not None:
+            return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
+    return None
+
+
+def _placed(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseStatement, at: cst.CSTNode,
+            when: str) -> _Split | tuple[cst.CSTNode, str]:
+    """The split of ``micro`` and ``accumulation`` before ``before``: on entry of the function whose parameters they
+    are, else after the statement that binds them; or (``at``, why not)."""
+    entry = _parameters(facts, [micro, accumulation], before)
+    if entry is not None:
+        return _Split(micro, accumulation, entry, first=True)
+    after = _bound_once(facts, [micro, accumulation], before, when)
+    return (at, after) if isinstance(after, str) else _Split(micro, accumulation, after)
+
+
 def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, losses: set[str],
                partner: str | None = None, within: cst.CSTNode | None = None) -> cst.CSTNode | None:
     """A read of ``code`` other than ``own``, the loss division in ``loop``, the loss scaled back for a log line
@@ -714,8 +720,9 @@ def _factors(facts: ModuleFacts, node: cst.CSTNode) -> set[str]:
     return {facts.code(node)}
 
 
-def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement) -> cst.BaseStatement | str:
-    """The statement after which every one of ``codes`` is bound, each by one statement of one block, or why not."""
+def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement, when: str) -> cst.BaseStatement | str:
+    """The statement after which every one of ``codes`` is bound, each by one statement of one block, or why not
+    (``when``: what happens at ``before``, as the reason says it: "the DataLoader is built")."""
     statements = []
     for code in codes:
         base = code.split(".", 1)[0]
@@ -724,14 +731,14 @@ def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement)
         if not found and scope is not facts.module:
             found = assignments(facts, facts.module, base)
         if len(found) != 1:
-            return f"{base} is bound {len(found)} times before the DataLoader: its value there is not known"
+            return f"{base} is bound {len(found)} times before {when}: its value there is not known"
         statements.append(facts.statement_of(found[0]))
     last = max(statements, key=lambda s: _at(facts, s))
     block = facts.block_of(last)
     if any(facts.block_of(s) is not block for s in statements):
         return f"{' and '.join(codes)} are bound in different blocks"
     if any(unbound(facts, before, code) for code in codes) and facts.function_of(last) is facts.function_of(before):
-        return f"{' and '.join(codes)} may be unbound where the DataLoader is built"
+        return f"{' and '.join(codes)} may be unbound where {when}"
     return last
 
 
