@@ -443,25 +443,27 @@ class StrongStart:
         configuration at its own micro-batch ran out of memory; a memory saver is never turned on alone (it only
         costs time, and pays where it lets a bigger micro-batch fit)."""
         out: list[dict[str, Any]] = []
-        too_big = _out_of_memory_splits(view, incumbent).get(name)
-        baseline = self.space.baseline()
-        default = baseline.get(name)
-        plain = {s: baseline.get(s) for s in MEMORY_SAVERS if s in baseline}  # every saver off
-        saving = any(not same_value(incumbent.get(s), v) for s, v in plain.items())
-        unsaved = _out_of_memory_splits(view, plain)  # what did not fit without a saver
+
+        def keep(trial: dict[str, Any]) -> None:
+            if not view.same(trial, incumbent) and not any(view.same(trial, o) for o in out):
+                out.append(trial)
+
+        too_big, saving, unsaved, plain = None, False, {}, {}
+        if name in SPLITS or name in MEMORY_SAVERS:  # what ran out of memory, asked only for the knobs it concerns
+            too_big = _out_of_memory_splits(view, incumbent).get(name)
+            baseline = self.space.baseline()
+            plain = {s: baseline.get(s) for s in MEMORY_SAVERS if s in baseline}  # every saver off
+            saving = any(not same_value(incumbent.get(s), v) for s, v in plain.items())
+            unsaved = _out_of_memory_splits(view, plain)  # what did not fit without a saver
         for choice in self.space.choices[name]:
             if same_value(choice, incumbent.get(name)) or self.is_expensive(name, choice):
                 continue
-            if name in MEMORY_SAVERS and not same_value(choice, default):
-                continue
-            if name in MEMORY_SAVERS and any(isinstance(incumbent.get(s), int) and incumbent[s] >= limit
-                                             for s, limit in unsaved.items()):
-                continue  # off, the incumbent's micro-batch ran out of memory
+            if name in MEMORY_SAVERS:
+                if not same_value(choice, plain.get(name)) or any(
+                        isinstance(incumbent.get(s), int) and incumbent[s] >= limit for s, limit in unsaved.items()):
+                    continue  # never on alone; and not off where the incumbent's micro-batch needs it
             if name in SPLITS and saving and (_smaller(choice) or choice < unsaved.get(name, choice + 1)):
-                # a micro-batch that fits without the saver: without it (it only costs time there)
-                trial = view.canonical({**incumbent, **plain, name: choice})
-                if not view.same(trial, incumbent) and not any(view.same(trial, o) for o in out):
-                    out.append(trial)
+                keep(view.canonical({**incumbent, **plain, name: choice}))  # fits without the saver: without it
                 continue
             if name in SPLITS and _smaller(choice):
                 # only where memory is short at the script's own micro-batch: the configuration that ran out of
@@ -469,21 +471,16 @@ class StrongStart:
                 for config in _short_of_memory(view, name):
                     below = [c for c in self.space.choices[name] if _smaller(c) and c < config.get(name, 1)]
                     if below and same_value(max(below), choice) and (name, _text(choice)) not in blamed:
-                        trial = view.canonical({**config, name: choice})
-                        if not any(view.same(trial, o) for o in out):
-                            out.append(trial)
+                        keep(view.canonical({**config, name: choice}))
                 continue
             if too_big is not None and isinstance(choice, int) and choice >= too_big:
                 if choice == too_big:  # blamed, as a start that ran out of memory is: not with a saver on
-                    out.extend(c for c in self._with_saver(view, {**incumbent, name: choice}) if
-                               not any(view.same(c, o) for o in out))
+                    for paired in self._with_saver(view, {**incumbent, name: choice}):
+                        keep(paired)
                 continue
             if (name, _text(choice)) in blamed:
                 continue
-            trial = view.canonical({**incumbent, name: choice})
-            if view.same(trial, incumbent) or any(view.same(trial, o) for o in out):
-                continue
-            out.append(trial)
+            keep(view.canonical({**incumbent, name: choice}))
         return out
 
     def _with_saver(self, view: View, config: Config) -> list[dict[str, Any]]:
