@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import libcst as cst
 
@@ -75,7 +75,7 @@ def keyword_settings(
             transform.report(facts, call, Status.APPLICABLE, (
                 f"{shown}: the script's own switch (present, switched off where {each} {off}), which the "
                 f"{transform.name}.{setting} knob turns on there"))
-            offs = f"({', '.join(map(code_of, switch[1]))}{',' if len(switch[1]) == 1 else ''})"
+            offs = tuple_code(switch[1])
             choice = None if transform.mode.gated else transform.mode.value(transform.knob(setting))
             for keyword, value in values.items():
                 others = [v for k, v in values.items() if k != keyword]
@@ -103,7 +103,7 @@ def keyword_settings(
         if transform.mode.gated:
             transform.settings_read.update(free)
             code = edits.runtime(helper)
-            args = f"script_sets=({', '.join(map(code_of, kept))}{',' if len(kept) == 1 else ''})" if kept else ""
+            args = f"script_sets={tuple_code(kept)}" if kept else ""
             extra = [star_kwargs(f"{code}({args})")]
         else:
             extra = [kwarg(k, v) for k, v in baked(free).items()]
@@ -140,3 +140,8 @@ def searched(transform: Transform, setting: str) -> bool:
 def code_of(value: object) -> str:
     """A value as a person writes it in a call: strings in double quotes."""
     return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def tuple_code(values: Sequence[object]) -> str:
+    """A tuple of values as a person writes it: ``("bf16",)``, ``(None, "no")``."""
+    return f"({', '.join(map(code_of, values))}{',' if len(values) == 1 else ''})"
