@@ -941,6 +941,24 @@ def test_ties_are_dueled_most_promising_first_and_one_that_could_not_be_picked_i
     assert len(world.duels) == 1
 
 
+class MemoryWorld(World):
+    """A GPU's memory: a configuration that ``fits`` not is an OOM run (its compile time ignored)."""
+
+    def __init__(self, speed, fits, space):
+        super().__init__(speed, lambda c: (True, None), space=space)
+        self.fits = fits
+
+    def measure(self, config):
+        if self.fits(config):
+            super().measure(config)
+        else:
+            self.seen[config_key(config)] = Observation(False, None, "oom", "CUDA out of memory")
+            self.order.append(dict(config))
+
+    def costly(self, config):
+        return False
+
+
 def test_a_micro_batch_that_runs_out_of_memory_prunes_the_bigger_ones():
     knobs = (_knob("batch_split.factor", (1, 2, 4, 8, 16)), _knob("gc.freeze", (False, True)))
     space = SearchSpace("cuda", knobs, {k.name: k.choices for k in knobs})
@@ -948,18 +966,7 @@ def test_a_micro_batch_that_runs_out_of_memory_prunes_the_bigger_ones():
     def speed(c):
         return {1: 1.0, 2: 1.5, 4: 1.8, 8: 2.0, 16: 2.1}[c["batch_split.factor"]]
 
-    class Memory(World):
-        def measure(self, config):
-            if config["batch_split.factor"] >= 4:  # 4x the micro-batch does not fit
-                self.seen[config_key(config)] = Observation(False, None, "oom", "CUDA out of memory")
-                self.order.append(dict(config))
-            else:
-                super().measure(config)
-
-        def costly(self, config):
-            return False
-
-    world = Memory(speed, lambda c: (True, None), space=space)
+    world = MemoryWorld(speed, lambda c: c["batch_split.factor"] < 4, space)  # 4x the micro-batch does not fit
     plan = drive(StrongStart(space, {"batch_split.factor": 4}, {}), world)
     assert plan.incumbent["batch_split.factor"] == 2
     tried = [c["batch_split.factor"] for c in world.order]
@@ -974,19 +981,10 @@ def test_a_micro_batch_that_runs_out_of_memory_comes_back_once_with_checkpointin
         split = {1: 1.0, 2: 1.5, 4: 2.2, 8: 2.4, 16: 2.5}[c["batch_split.factor"]]
         return split * (0.8 if c["checkpointing.blocks"] == "all" else 1.0)  # recomputing costs a fifth
 
-    class Memory(World):
-        def measure(self, config):
-            fits = 8 if config["checkpointing.blocks"] == "all" else 2  # checkpointing frees memory for 8x
-            if config["batch_split.factor"] > fits:
-                self.seen[config_key(config)] = Observation(False, None, "oom", "CUDA out of memory")
-                self.order.append(dict(config))
-            else:
-                super().measure(config)
+    def fits(c):
+        return c["batch_split.factor"] <= (8 if c["checkpointing.blocks"] == "all" else 2)  # checkpointing: up to 8x
 
-        def costly(self, config):
-            return False
-
-    world = Memory(speed, lambda c: (True, None), space=space)
+    world = MemoryWorld(speed, fits, space)
     plan = drive(StrongStart(space, {"batch_split.factor": 4}, {}), world)
     tried = [(c["batch_split.factor"], c["checkpointing.blocks"]) for c in world.order]
     assert (4, "none") in tried and (4, "all") in tried, tried  # 4 did not fit alone: with checkpointing it did
@@ -1005,18 +1003,7 @@ def test_smaller_micro_batches_are_tried_only_where_the_scripts_own_ran_out_of_m
         return (1.3 if c["compile.mode"] == "default" else 1.0) * (0.9 if c["batch_split.factor"] < 1 else 1.0)
 
     def drive_with(limit):
-        class Memory(World):
-            def measure(self, config):
-                if config["compile.mode"] == "default" and config["batch_split.factor"] > limit:
-                    self.seen[config_key(config)] = Observation(False, None, "oom", "CUDA out of memory")
-                    self.order.append(dict(config))
-                else:
-                    super().measure(config)
-
-            def costly(self, config):
-                return False
-
-        world = Memory(speed, lambda c: (True, None), space=space)
+        world = MemoryWorld(speed, lambda c: c["compile.mode"] == "none" or c["batch_split.factor"] <= limit, space)
         plan = drive(StrongStart(space, {"compile.mode": "default"}, {}), world)
         return plan, [(c["batch_split.factor"], c["compile.mode"]) for c in world.order]
 

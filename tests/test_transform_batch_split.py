@@ -61,13 +61,16 @@ for i, x in enumerate(loader):
 '''
 
 
-def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
-    fields = {"layer": "", "loader": "", "extra": "", "scale": " / args.accum", "condition": "(i + 1) % args.accum == 0",
-              "inside": "pass"}
-    fields.update(parts)
+def _scan_template(tmp_path: Path, template: str, defaults: dict[str, str], parts: dict[str, str]) -> list:
+    """(status, reason) of each batch_split site of ``template`` filled with ``defaults`` updated by ``parts``."""
     script = tmp_path / "train.py"
-    script.write_text(LOOP.format(**fields))
+    script.write_text(template.format(**{**defaults, **parts}))
     return [(s.status, s.reason) for s in run(load_project(script), select(["batch_split"]), hooks=False).sites]
+
+
+def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
+    return _scan_template(tmp_path, LOOP, {"layer": "", "loader": "", "extra": "", "scale": " / args.accum",
+                                           "condition": "(i + 1) % args.accum == 0", "inside": "pass"}, parts)
 
 
 @pytest.mark.parametrize("parts, reason", [
@@ -185,11 +188,8 @@ for it in range(20):
 
 
 def _scan_sampled(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
-    fields = {"device": "", "eval_batch": "data[:32]", "extra": "", "inside": "pass"}
-    fields.update(parts)
-    script = tmp_path / "train.py"
-    script.write_text(SAMPLED.format(**fields))
-    return [(s.status, s.reason) for s in run(load_project(script), select(["batch_split"]), hooks=False).sites]
+    return _scan_template(tmp_path, SAMPLED, {"device": "", "eval_batch": "data[:32]", "extra": "", "inside": "pass"},
+                          parts)
 
 
 @pytest.mark.parametrize("parts, reason", [
@@ -272,11 +272,8 @@ def main(bs, accum):
      "drop_last: a bigger batch would drop another tail of each epoch"),
 ])
 def test_lightning_is_split_only_where_the_batch_size_is_traced_to_the_script(tmp_path, parts, reason):
-    fields = {"loader": "batch_size=self.hparams.batch_size, shuffle=True", "data": "batch_size=bs", "accum": "accum"}
-    fields.update(parts)
-    script = tmp_path / "train.py"
-    script.write_text(LIGHTNING.format(**fields))
-    found = [(s.status, s.reason) for s in run(load_project(script), select(["batch_split"]), hooks=False).sites]
+    found = _scan_template(tmp_path, LIGHTNING, {"loader": "batch_size=self.hparams.batch_size, shuffle=True",
+                                                 "data": "batch_size=bs", "accum": "accum"}, parts)
     assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == [
         (Status.APPLICABLE, None) if reason is None else (Status.NOT_APPLICABLE, reason)]
 
@@ -330,11 +327,8 @@ def train(bs, accum):
                               "not accumulate them"),
 ])
 def test_accelerate_is_split_only_where_it_accumulates_itself(tmp_path, parts, reason):
-    fields = {"accum": "accum", "context": "with accelerator.accumulate(model):"}
-    fields.update(parts)
-    script = tmp_path / "train.py"
-    script.write_text(ACCELERATE.format(**fields))
-    found = [(s.status, s.reason) for s in run(load_project(script), select(["batch_split"]), hooks=False).sites]
+    found = _scan_template(tmp_path, ACCELERATE, {"accum": "accum", "context": "with accelerator.accumulate(model):"},
+                           parts)
     if reason is None:
         assert [s for s, _ in found] == [Status.APPLICABLE]
     else:
