@@ -88,6 +88,10 @@ def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
      "sched.step() at line 20 runs once per micro-batch: the split would change the learning-rate schedule"),
     ({"inside": "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"},
      "clip_grad_norm_ at line 20 clips each micro-batch's gradients: the split would change what is clipped"),
+    # a schedule sized in micro-batches (Accelerate's by_feature examples: len(train_dataloader) * num_epochs)
+    ({"extra": "sched = torch.optim.lr_scheduler.LinearLR(opt, total_iters=len(loader) * 3)"},
+     "len(loader) at line 13 counts micro-batches: the split would change it (only math.ceil(len(loader) / "
+     "args.accum), an epoch's optimizer steps, stays the same)"),
     ({"scale": " + nn.functional.l1_loss(x.float(), x.float() * 0, reduction='sum') / args.accum"},
      "nn.functional.l1_loss(reduction=\"sum\") at {dir}/train.py:15: a loss summed over samples, which the split "
      "would scale"),
@@ -98,6 +102,9 @@ def test_where_the_split_would_change_what_is_trained_it_is_not_applicable(tmp_p
 
 def test_dropout_at_zero_and_a_loop_that_steps_every_batch(tmp_path):
     assert [s for s, _ in _scan(tmp_path, layer=", nn.Dropout(p=0.0)")] == [Status.APPLICABLE]
+    # an epoch's optimizer steps, ceil(n / a), are ceil(ceil(n / k) / (a / k)) after the split: the same
+    steps = "import math; steps = math.ceil(len(loader) / args.accum) * 3"
+    assert [s for s, _ in _scan(tmp_path, extra=steps)] == [Status.APPLICABLE]
     assert _scan(tmp_path, condition="True") == [
         (Status.NOT_APPLICABLE, "the optimizer step's condition `True` is not `(i + 1) % accumulation == 0`")]
 
@@ -311,6 +318,7 @@ def train(bs, accum):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(torch.randn(64, 1), batch_size=bs, shuffle=True)
     model, opt, loader = accelerator.prepare(model, opt, loader)
+    {steps}
     for x in loader:
         {context}
             loss = model(x).pow(2).mean()
@@ -325,9 +333,12 @@ def train(bs, accum):
     ({"accum": "4"}, "gradient_accumulation_steps=4 is not a variable or option of the script's own"),
     ({"context": "if True:"}, "no loop runs its micro-batches `with accelerator.accumulate(model):`: Accelerate does "
                               "not accumulate them"),
+    ({"steps": "print(len(loader))"}, "len(loader) at line 11 counts micro-batches: the split would change it (only "
+                                      "math.ceil(len(loader) / accum), an epoch's optimizer steps, stays the same)"),
 ])
 def test_accelerate_is_split_only_where_it_accumulates_itself(tmp_path, parts, reason):
-    found = _scan_template(tmp_path, ACCELERATE, {"accum": "accum", "context": "with accelerator.accumulate(model):"},
+    found = _scan_template(tmp_path, ACCELERATE, {"accum": "accum", "context": "with accelerator.accumulate(model):",
+                                                         "steps": "pass"},
                            parts)
     if reason is None:
         assert [s for s, _ in found] == [Status.APPLICABLE]

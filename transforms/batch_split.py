@@ -139,7 +139,8 @@ class BatchSplit(Transform):
             return built, micro
         micro_code = facts.code(micro)
         losses = {facts.code(e) for e in scope.loss_exprs()}
-        read = _read_elsewhere(facts, micro, accumulation, node, losses)
+        read = _read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
+            _length_read(facts, loader, code, node)
         if read is not None:
             return read
         counted = self._per_micro_step(facts, node.body, if_)
@@ -167,7 +168,7 @@ class BatchSplit(Transform):
                 return n, f"{counter} counts micro-batches (line {_line(facts, n)}): the split changes it"
         if not any(_divides(facts, n, code) for n in walk(inner.body, itself=True)):
             return inner, f"the loss is not divided by {code}: the split would change the gradient's scale"
-        source = _micro_source(facts, loop, inner)
+        source = _micro_source(facts, loop, inner, code)
         if isinstance(source[1], str):
             return source
         micro, before = source
@@ -210,7 +211,9 @@ class BatchSplit(Transform):
         refused = _loader_refuses(built)
         if refused is not None:
             return built, refused
-        read = _read_elsewhere(facts, micro, accumulation, call, products=True)
+        loader = argument(fit, 1, "train_dataloaders")
+        read = _read_elsewhere(facts, micro, accumulation, call, products=True) or (
+            _length_read(facts, loader.value, facts.code(accumulation), fit) if isinstance(loader, cst.Name) else None)
         if read is not None:
             return read
         changed = self._changes_the_math()
@@ -245,7 +248,8 @@ class BatchSplit(Transform):
         micro = _batch_size_of(facts, built)
         if isinstance(micro, str):
             return built, micro
-        read = _read_elsewhere(facts, micro, accumulation, call, products=True)
+        read = _read_elsewhere(facts, micro, accumulation, call, products=True, loader=it.value) or \
+            _length_read(facts, it.value, facts.code(accumulation), loop)
         if read is not None:
             return read
         counted = self._per_micro_step(facts, loop.body, None, accelerated=True)
@@ -384,13 +388,13 @@ def _last_micro_test(facts: ModuleFacts, name: cst.Name, accumulation: str) -> b
 RANDINT = "torch.randint"
 
 
-def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For):
+def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, accumulation: str):
     """(the micro-batch size's expression, the statement before which it must be split) for the batches drawn in
     ``inner``, or (where, why not)."""
     for call in facts.nodes_in(inner.body, cst.Call):
         func = call.func
         if isinstance(func, cst.Name) and func.value == "next" and call.args and isinstance(call.args[0].value, cst.Name):
-            return _from_iterator(facts, inner, call.args[0].value.value)
+            return _from_iterator(facts, inner, call.args[0].value.value, accumulation)
         if isinstance(func, cst.Name):
             defined = _function(facts, func.value)
             if defined is not None and any(facts.qualname(c.func) == RANDINT for c in facts.nodes_in(defined, cst.Call)):
@@ -405,7 +409,7 @@ def _function(facts: ModuleFacts, name: str) -> cst.FunctionDef | None:
     return found[0] if len(found) == 1 else None
 
 
-def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str):
+def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str, accumulation: str):
     """``batch = next(it)`` where every binding of ``it`` is ``iter(loader)`` of one DataLoader."""
     scope = scope_of(facts, inner)
     bound = assignments(facts, scope, name) or assignments(facts, facts.module, name)
@@ -425,7 +429,7 @@ def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str):
     micro = _batch_size_of(facts, built)
     if isinstance(micro, str):
         return built, micro
-    return micro, facts.statement_of(built)
+    return _length_read(facts, loader, accumulation, inner) or (micro, facts.statement_of(built))
 
 
 def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, defined: cst.FunctionDef):
@@ -650,16 +654,48 @@ def _accumulation_keyword(facts: ModuleFacts, call: cst.Call, keyword: str):
 
 def _read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: cst.BaseExpression,
                     loop: cst.CSTNode, losses: set[str] = frozenset(), products: bool = False,
-                    within: cst.CSTNode | None = None) -> tuple[cst.CSTNode, str] | None:
+                    within: cst.CSTNode | None = None, loader: str | None = None) -> tuple[cst.CSTNode, str] | None:
     """(where, why) for a read of the micro-batch size or the accumulation count that the split would change (see
-    ``_other_use``; ``products``: their product, the samples per step, does not change), or None."""
+    ``_other_use``; ``products``: their product, the samples per step, does not change; ``loader``: the training
+    DataLoader, whose ``math.ceil(len(loader) / accumulation)`` does not change either), or None."""
     micro_code, code = facts.code(micro), facts.code(accumulation)
     for expr_code, own, partner in ((micro_code, micro, code), (code, accumulation, micro_code)):
         other = _other_use(facts, expr_code, own, loop, losses if own is accumulation else set(),
-                           partner if products else None, within)
+                           partner if products else None, within, loader if own is accumulation else None)
         if other is not None:
             return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
     return None
+
+
+def _length_read(facts: ModuleFacts, loader: str, accumulation: str, loop: cst.CSTNode) -> tuple[cst.CSTNode, str] | None:
+    """(where, why) for ``len(loader)`` in the loop's function: the micro-batches of an epoch, which the split divides
+    by k (a scheduler's length, an epoch's steps, a resume position); None where there is none, or where each is the
+    optimizer steps of an epoch, ``math.ceil(len(loader) / accumulation)``, which the split leaves as it is
+    (ceil(ceil(n / k) / (a / k)) = ceil(n / a))."""
+    for call in facts.nodes_in(scope_of(facts, loop), cst.Call):
+        if not (isinstance(call.func, cst.Name) and call.func.value == "len" and facts.qualname(call.func) in (
+                "len", "builtins.len", None) and len(call.args) == 1 and isinstance(call.args[0].value, cst.Name)
+                and call.args[0].value.value == loader):
+            continue
+        if _epoch_steps(facts, facts.parent(call), loader, accumulation):
+            continue
+        return call, (f"len({loader}) at line {_line(facts, call)} counts micro-batches: the split would change it (only "
+                      f"math.ceil(len({loader}) / {accumulation}), an epoch's optimizer steps, stays the same)")
+    return None
+
+
+def _epoch_steps(facts: ModuleFacts, divided: cst.CSTNode, loader: str | None, accumulation: str) -> bool:
+    """Whether ``divided`` is ``len(loader) / accumulation`` inside ``math.ceil(...)``: an epoch's optimizer steps."""
+    arg = facts.parent(divided)
+    ceil = facts.parent(arg) if isinstance(arg, cst.Arg) else None
+    if not (loader is not None and isinstance(divided, cst.BinaryOperation) and isinstance(divided.operator, cst.Divide)):
+        return False
+    left = divided.left
+    return (isinstance(left, cst.Call)
+            and isinstance(left.func, cst.Name) and left.func.value == "len" and len(left.args) == 1
+            and isinstance(left.args[0].value, cst.Name) and left.args[0].value.value == loader
+            and facts.code(divided.right) == accumulation and isinstance(ceil, cst.Call)
+            and facts.qualname(ceil.func) == "math.ceil")
 
 
 def _placed(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseStatement, at: cst.CSTNode,
@@ -674,7 +710,8 @@ def _placed(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseS
 
 
 def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, losses: set[str],
-               partner: str | None = None, within: cst.CSTNode | None = None) -> cst.CSTNode | None:
+               partner: str | None = None, within: cst.CSTNode | None = None,
+               loader: str | None = None) -> cst.CSTNode | None:
     """A read of ``code`` other than ``own``, the loss division in ``loop``, the loss scaled back for a log line
     (``loss.item() * accum``: the last micro-batch's mean loss, whatever its size), a product with ``partner`` (the
     samples per step, ``batch_size * accum * block_size``: unchanged) and the last micro-step's test, or None."""
@@ -689,6 +726,8 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, l
                 and facts.contains(loop, n):
             continue
         if isinstance(parent, cst.AugAssign) and parent.value is n and facts.contains(loop, n):
+            continue
+        if isinstance(parent, cst.BinaryOperation) and parent.right is n and _epoch_steps(facts, parent, loader, code):
             continue
         if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Multiply):
             other = parent.left if parent.right is n else parent.right
