@@ -157,6 +157,60 @@ def test_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path):
     assert odd["status"] == "ok" and odd["applied"] == [] and odd["batch_size"] == 32
 
 
+# --- slices of the script's own tensors: `for i, start in enumerate(range(0, n, batch_size))` ----------------
+
+
+def test_a_loop_over_slices_of_the_scripts_tensors_gets_the_knob():
+    (site,) = sites("batch_split", "sliced")
+    assert (site.status, site.line) == (Status.APPLICABLE, 23)
+    assert site.reason.startswith("micro-batches of args.batch_size x args.accum accumulation steps")
+    # the options object is train()'s parameter, and train() is called once: split on entry
+    assert "    args.batch_size, args.accum = _autotune.batch_split(args.batch_size, args.accum)\n" in \
+        case("batch_split", "sliced").with_name("sliced.out.py").read_text()
+
+
+SLICED = '''
+import torch
+from torch import nn
+batch_size = 4
+accum = 4
+x = torch.randn(256, 8)
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step, start in enumerate(range(0, {stop}, batch_size)):
+    xb = {xb}
+    loss = model(xb).pow(2).mean() / accum
+    loss.backward()
+    {inside}
+    if (step + 1) % accum == 0:
+        opt.step()
+        opt.zero_grad()
+'''
+
+
+@pytest.mark.parametrize("parts, reason", [
+    ({}, None),
+    ({"xb": "x[start:start + batch_size, :4].repeat(1, 2)"}, None),  # the first dimension sliced, then the second
+    ({"xb": "x[:, start:start + batch_size]"}, "start is read at line 10 other than as a slice [start:start + "
+                                               "batch_size] of a tensor's first dimension: what a bigger micro-batch "
+                                               "would read there is not known"),
+    ({"xb": "x[start:start + 4]"}, "start is read at line 10 other than as a slice [start:start + batch_size] of a "
+                                   "tensor's first dimension: what a bigger micro-batch would read there is not known"),
+    ({"inside": "print(start)"}, "start is read at line 13 other than as a slice [start:start + batch_size] of a "
+                                 "tensor's first dimension: what a bigger micro-batch would read there is not known"),
+    ({"stop": "len(x) - batch_size + 1"}, "the range's end len(x) - batch_size + 1 reads batch_size: a bigger "
+                                          "micro-batch would end an epoch elsewhere"),
+    ({"xb": "x[:batch_size]"}, "no slice [start:start + batch_size] in the loop: where its micro-batches come from is "
+                               "not known"),
+    ({"inside": "print(xb.sum() * batch_size)"}, "batch_size is also read at line 13: the split would change it"),
+])
+def test_slices_are_split_only_where_they_are_the_micro_batches(tmp_path, parts, reason):
+    expected = [(Status.APPLICABLE, None)] if reason is None else [(Status.NOT_APPLICABLE, reason)]
+    found = _scan_template(tmp_path, SLICED, {"stop": "len(x)", "xb": "x[start:start + batch_size]", "inside": "pass"},
+                           parts)
+    assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == expected
+
+
 # --- an inner micro-step loop: `for micro in range(accum):` --------------------------------------------------
 
 
@@ -222,7 +276,7 @@ def test_an_inner_loop_is_split_only_where_its_draws_stay_the_same(tmp_path, par
     assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == expected
 
 
-@pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants"])
+@pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants", "sliced"])
 def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_path, name):
     # constants: the split of two module-level settings goes after the second (it once went between them)
     original = losses(tmp_path, "original", case("batch_split", name).read_text())
@@ -230,14 +284,16 @@ def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_p
     assert patched == original
 
 
-@pytest.mark.parametrize("name", ["sampled", "micro_loop"])
-def test_an_inner_loops_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path, name):
-    # sampled: one torch.randint draw of 4 x 4 indices on the CPU generator is the four draws of 4 it replaces
+@pytest.mark.parametrize("name", ["sampled", "micro_loop", "sliced"])
+def test_other_shapes_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path, name):
+    # sampled: one torch.randint draw of 4 x 4 indices on the CPU generator is the four draws of 4 it replaces;
+    # sliced: one slice of 4 x 8 rows is the four slices of 8 it replaces
     script = _patched_script(tmp_path, name)
     base = trial(script, [], tmp_path, warmup=1, steps=3)
     split = trial(script, [], tmp_path, knobs={"batch_split.factor": 4}, warmup=1, steps=3)
     assert base["status"] == split["status"] == "ok", split["error"]
     assert split["applied"] == ["batch_split.factor"] and base["applied"] == []
+    assert base["batch_size"] == split["batch_size"]  # samples per optimizer step
     flat = [v for row in split["losses"] for v in row]
     assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)
 

@@ -115,9 +115,11 @@ class BatchSplit(Transform):
         if not conditions:
             return None  # the optimizer steps on every batch: nothing accumulates
         if_ = conditions[0]
-        counter, loader = _enumerated(node)
-        if counter is None or loader is None:
-            return if_, "the loop is not `for i, batch in enumerate(loader)`: its micro-batches cannot be told"
+        counter, source = _enumerated(node)
+        loader = source.value if isinstance(source, cst.Name) else None
+        if counter is None or (loader is None and not _slice_starts(source)):
+            return if_, ("the loop is not `for i, batch in enumerate(loader)` nor `for i, start in enumerate(range(0, "
+                         "n, batch_size))`: its micro-batches cannot be told")
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return if_, "the batch split is already a knob"
         for n in facts.nodes_in(node.body, cst.Name):
@@ -131,16 +133,24 @@ class BatchSplit(Transform):
         code = facts.code(accumulation)
         if not any(_divides(facts, n, code) for n in walk(node.body, itself=True)):
             return if_, f"the loss is not divided by {code}: the split would change the gradient's scale"
-        built = _loader_call(facts, node, loader)
-        if isinstance(built, str):
-            return node, built
-        micro = _batch_size_of(facts, built)
-        if isinstance(micro, str):
-            return built, micro
-        micro_code = facts.code(micro)
         losses = {facts.code(e) for e in scope.loss_exprs()}
-        read = _read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
-            _length_read(facts, loader, code, node)
+        if loader is None:  # slices [start:start + batch_size] of the script's tensors
+            sliced = _sliced(facts, node, source)
+            if isinstance(sliced[1], str):
+                return sliced
+            micro, uppers = sliced
+            read = _read_elsewhere(facts, micro, accumulation, node, losses, allowed=uppers)
+            built = before = facts.statement_of(node)
+        else:
+            built = _loader_call(facts, node, loader)
+            if isinstance(built, str):
+                return node, built
+            micro = _batch_size_of(facts, built)
+            if isinstance(micro, str):
+                return built, micro
+            read = _read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
+                _length_read(facts, loader, code, node)
+            before = facts.statement_of(built)
         if read is not None:
             return read
         counted = self._per_micro_step(facts, node.body, if_)
@@ -149,10 +159,8 @@ class BatchSplit(Transform):
         changed = self._changes_the_math()
         if changed is not None:
             return node, changed
-        after = _bound_once(facts, [micro_code, code], facts.statement_of(built), "the DataLoader is built")
-        if isinstance(after, str):
-            return built, after
-        return _Split(micro_code, code, after)
+        when = "the DataLoader is built" if loader is not None else "the slices are taken"
+        return _placed(facts, facts.code(micro), code, before, built, when)
 
     def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> _Split | tuple[cst.CSTNode, str]:
         """The split of an inner micro-batch loop, ``for micro in range(accum):`` holding the backward and not the
@@ -565,15 +573,67 @@ def _self_attribute(facts: ModuleFacts, size: cst.BaseExpression | None) -> str 
     return None
 
 
-def _enumerated(loop: cst.For) -> tuple[str | None, str | None]:
-    """(counter, loader) of ``for i, batch in enumerate(loader)``."""
+def _enumerated(loop: cst.For) -> tuple[str | None, cst.BaseExpression | None]:
+    """(counter, what it enumerates) of ``for i, batch in enumerate(loader)``."""
     it, target = loop.iter, loop.target
     if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "enumerate" and it.args):
         return None, None
     if not (isinstance(target, cst.Tuple) and len(target.elements) == 2 and isinstance(target.elements[0].value, cst.Name)):
         return None, None
-    source = it.args[0].value
-    return target.elements[0].value.value, source.value if isinstance(source, cst.Name) else None
+    return target.elements[0].value.value, it.args[0].value
+
+
+def _slice_starts(source: cst.BaseExpression | None) -> bool:
+    """``range(0, n, batch_size)``: where each micro-batch starts, batch_size a variable of the script's."""
+    return (isinstance(source, cst.Call) and isinstance(source.func, cst.Name) and source.func.value == "range"
+            and len(source.args) == 3 and all(a.keyword is None and not a.star for a in source.args)
+            and isinstance(source.args[0].value, cst.Integer) and source.args[0].value.value == "0"
+            and is_reference(source.args[2].value))
+
+
+def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
+    """(the micro-batch size, its reads in the slices) for ``for i, start in enumerate(range(0, n, batch_size))``
+    whose body reads ``start`` only as ``x[start:start + batch_size]`` (a slice of the first dimension): the slices of
+    k times batch_size are the k slices they replace, one after another (the last one of an epoch ends at n either
+    way); or (where, why not)."""
+    micro = source.args[2].value
+    code = facts.code(micro)
+    target = loop.target.elements[1].value  # type: ignore[attr-defined]
+    if not isinstance(target, cst.Name):
+        return loop, f"the loop's target {facts.code(target)} is not a name: where its micro-batches start is not known"
+    start = target.value
+    stop = source.args[1].value
+    if any(facts.code(n) == code for n in walk(stop, itself=True)):
+        return source, f"the range's end {facts.code(stop)} reads {code}: a bigger micro-batch would end an epoch elsewhere"
+    uppers: list[cst.CSTNode] = []
+    for n in facts.nodes_in(loop.body, cst.Name):
+        if n.value != start or not names_variable(facts, n):
+            continue
+        parent = facts.parent(n)
+        upper = parent if isinstance(parent, cst.BinaryOperation) else None
+        bounds = facts.parent(upper) if upper is not None else parent
+        if upper is not None and not (isinstance(upper.operator, cst.Add) and upper.left is n
+                                      and facts.code(upper.right) == code):
+            bounds = None
+        if isinstance(bounds, cst.Slice) and bounds.step is None and isinstance(bounds.lower, cst.Name) and \
+                bounds.lower.value == start and isinstance(bounds.upper, cst.BinaryOperation) and \
+                isinstance(bounds.upper.operator, cst.Add) and facts.code(bounds.upper.left) == start and \
+                facts.code(bounds.upper.right) == code and _first_dimension(facts, bounds):
+            if upper is not None:
+                uppers.append(upper.right)
+            continue
+        return n, (f"{start} is read at line {_line(facts, n)} other than as a slice [{start}:{start} + {code}] of a "
+                   "tensor's first dimension: what a bigger micro-batch would read there is not known")
+    if not uppers:
+        return loop, f"no slice [{start}:{start} + {code}] in the loop: where its micro-batches come from is not known"
+    return micro, frozenset(uppers)
+
+
+def _first_dimension(facts: ModuleFacts, bounds: cst.Slice) -> bool:
+    """Whether the slice ``bounds`` is the first (or only) index of its subscript: ``x[a:b]``, ``x[a:b, :]``."""
+    element = facts.parent(bounds)
+    subscript = facts.parent(element)
+    return isinstance(subscript, cst.Subscript) and subscript.slice[0] is element
 
 
 def _start(loop: cst.For) -> int | None:
@@ -654,14 +714,17 @@ def _accumulation_keyword(facts: ModuleFacts, call: cst.Call, keyword: str):
 
 def _read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: cst.BaseExpression,
                     loop: cst.CSTNode, losses: set[str] = frozenset(), products: bool = False,
-                    within: cst.CSTNode | None = None, loader: str | None = None) -> tuple[cst.CSTNode, str] | None:
+                    within: cst.CSTNode | None = None, loader: str | None = None,
+                    allowed: frozenset[cst.CSTNode] = frozenset()) -> tuple[cst.CSTNode, str] | None:
     """(where, why) for a read of the micro-batch size or the accumulation count that the split would change (see
     ``_other_use``; ``products``: their product, the samples per step, does not change; ``loader``: the training
-    DataLoader, whose ``math.ceil(len(loader) / accumulation)`` does not change either), or None."""
+    DataLoader, whose ``math.ceil(len(loader) / accumulation)`` does not change either; ``allowed``: reads of the
+    micro-batch size that the split changes as it should, the ends of the slices it sizes), or None."""
     micro_code, code = facts.code(micro), facts.code(accumulation)
     for expr_code, own, partner in ((micro_code, micro, code), (code, accumulation, micro_code)):
         other = _other_use(facts, expr_code, own, loop, losses if own is accumulation else set(),
-                           partner if products else None, within, loader if own is accumulation else None)
+                           partner if products else None, within, loader if own is accumulation else None,
+                           allowed if own is micro else frozenset())
         if other is not None:
             return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
     return None
@@ -711,13 +774,13 @@ def _placed(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseS
 
 def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, losses: set[str],
                partner: str | None = None, within: cst.CSTNode | None = None,
-               loader: str | None = None) -> cst.CSTNode | None:
+               loader: str | None = None, allowed: frozenset[cst.CSTNode] = frozenset()) -> cst.CSTNode | None:
     """A read of ``code`` other than ``own``, the loss division in ``loop``, the loss scaled back for a log line
     (``loss.item() * accum``: the last micro-batch's mean loss, whatever its size), a product with ``partner`` (the
     samples per step, ``batch_size * accum * block_size``: unchanged) and the last micro-step's test, or None."""
     kind = cst.Attribute if "." in code else cst.Name
     for n in facts.nodes_in(within or facts.module, kind):
-        if n is own or facts.code(n) != code or (isinstance(n, cst.Name) and not names_variable(facts, n)):
+        if n is own or n in allowed or facts.code(n) != code or (isinstance(n, cst.Name) and not names_variable(facts, n)):
             continue
         parent = facts.parent(n)
         if isinstance(parent, (cst.AssignTarget, cst.Param)):
