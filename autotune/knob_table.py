@@ -72,7 +72,7 @@ KNOBS = {knob.name: knob for knob in (
         1,
         Numerics.REORDER,
         devices=frozenset({'cpu', 'cuda'}),
-        help="the micro-batch size times this, the accumulation steps divided by it: the same samples in the same order in each optimizer step, the loss still their mean (only where it divides exactly; 0.5 and 0.25 halve or quarter the micro-batch, for memory: the search tries them only where a configuration at the script's own micro-batch ran out of memory; at an epoch's end a last, smaller micro-batch weighs as the script weighs it)",
+        help="the micro-batch size times this, the accumulation steps divided by it: the same samples in the same order in each optimizer step, the loss still their mean (only where it divides exactly; 0.5 and 0.25 halve or quarter the micro-batch, for memory: the search tries them only where a configuration at the script's own micro-batch ran out of memory; where an epoch's samples do not fill its last bigger micro-batch, that shorter micro-batch counts as one whole micro-batch in the loss's division, as the script counts its own, so the last step of such an epoch alone can differ)",
         compiles=False,
     ),
     Knob(

@@ -80,7 +80,8 @@ def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
                                                                "change it"),
     ({"loader": ", drop_last=True"}, "drop_last: a bigger batch would drop another tail of each epoch"),
     ({"condition": "i % args.accum == args.accum - 1"}, "the optimizer step's condition `i % args.accum == args.accum "
-                                                        "- 1` is not `(i + 1) % accumulation == 0`"),
+                                                        "- 1` is not `(i + 1) % accumulation == 0` (or that, `or i + "
+                                                        "1 == len(loader)`)"),
     ({"layer": ", nn.Dropout(0.1)"}, "Dropout(0.1) at {dir}/train.py:10: dropout draws its masks per micro-batch (0 is the "
                                      "only probability known here to be safe)"),
     ({"layer": ", nn.Dropout()"}, "Dropout at {dir}/train.py:10: dropout draws its masks per micro-batch"),
@@ -102,11 +103,19 @@ def test_where_the_split_would_change_what_is_trained_it_is_not_applicable(tmp_p
 
 def test_dropout_at_zero_and_a_loop_that_steps_every_batch(tmp_path):
     assert [s for s, _ in _scan(tmp_path, layer=", nn.Dropout(p=0.0)")] == [Status.APPLICABLE]
+    # a last, shorter step at each epoch's end: ceil(n / a) steps, and the same samples in each, after the split
+    for last in ("i + 1 == len(loader)", "(i + 1) == len(loader)", "i == len(loader) - 1"):
+        condition = f"((i + 1) % args.accum == 0) or ({last})"
+        assert [s for s, _ in _scan(tmp_path, condition=condition)] == [Status.APPLICABLE]
+    assert _scan(tmp_path, condition="(i + 1) % args.accum == 0 or i + 2 == len(loader)") == [(
+        Status.NOT_APPLICABLE, "the optimizer step's condition `(i + 1) % args.accum == 0 or i + 2 == len(loader)` is "
+        "not `(i + 1) % accumulation == 0` (or that, `or i + 1 == len(loader)`)")]
     # an epoch's optimizer steps, ceil(n / a), are ceil(ceil(n / k) / (a / k)) after the split: the same
     steps = "import math; steps = math.ceil(len(loader) / args.accum) * 3"
     assert [s for s, _ in _scan(tmp_path, extra=steps)] == [Status.APPLICABLE]
     assert _scan(tmp_path, condition="True") == [
-        (Status.NOT_APPLICABLE, "the optimizer step's condition `True` is not `(i + 1) % accumulation == 0`")]
+        (Status.NOT_APPLICABLE, "the optimizer step's condition `True` is not `(i + 1) % accumulation == 0` "
+                                 "(or that, `or i + 1 == len(loader)`)")]
 
 
 def test_the_runtime_splits_only_where_the_factor_divides_the_accumulation(monkeypatch):
@@ -155,6 +164,42 @@ def test_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path):
     # 16 does not divide 8 accumulation steps: the script runs as written, and the knob is not counted
     odd = trial(script, ARGS, tmp_path, knobs={"batch_split.factor": 16}, warmup=1, steps=1)
     assert odd["status"] == "ok" and odd["applied"] == [] and odd["batch_size"] == 32
+
+
+EPOCH_END = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+torch.manual_seed(0)
+batch_size, accum = 4, 8
+model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+loader = DataLoader(torch.randn(88, 8), batch_size=batch_size, shuffle=True)
+for epoch in range(3):
+    for i, x in enumerate(loader):
+        loss = model(x).pow(2).mean() / accum
+        loss.backward()
+        if ((i + 1) % accum == 0) or (i + 1 == len(loader)):
+            opt.step()
+            opt.zero_grad()
+'''
+
+
+def test_a_last_shorter_step_at_each_epochs_end_trains_on_the_same_samples(tmp_path):
+    # 88 samples: 22 micro-batches of 4, steps after 8, 16 and 22 (the last on 24 samples); split by 2, 11 of 8,
+    # steps after 4, 8 and 11: the same samples, the same weights (88 is a multiple of 8), across epochs
+    script = tmp_path / "train.py"
+    script.write_text(EPOCH_END)
+    result = run(load_project(script))
+    write_outputs(result, tmp_path / "patched", "train.py")
+    patched = tmp_path / "patched" / "train.py"
+    assert "_autotune.batch_split(batch_size, accum)" in patched.read_text()
+    base = trial(patched, [], tmp_path, warmup=1, steps=7)
+    split = trial(patched, [], tmp_path, knobs={"batch_split.factor": 2}, warmup=1, steps=7)
+    assert base["status"] == split["status"] == "ok", split["error"]
+    assert split["applied"] == ["batch_split.factor"]
+    flat = [v for row in split["losses"] for v in row]
+    assert len(flat) == 8 and flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)
 
 
 # --- slices of the script's own tensors: `for i, start in enumerate(range(0, n, batch_size))` ----------------

@@ -3,6 +3,7 @@ gradients over the batches of its DataLoader (``if (i + 1) % accum == 0: optimiz
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import libcst as cst
@@ -58,8 +59,9 @@ class BatchSplit(Transform):
             help="the micro-batch size times this, the accumulation steps divided by it: the same samples in the "
             "same order in each optimizer step, the loss still their mean (only where it divides exactly; 0.5 and "
             "0.25 halve or quarter the micro-batch, for memory: the search tries them only where a configuration "
-            "at the script's own micro-batch ran out of memory; at an epoch's end a last, smaller micro-batch "
-            "weighs as the script weighs it)",
+            "at the script's own micro-batch ran out of memory; where an epoch's samples do not fill its last "
+            "bigger micro-batch, that shorter micro-batch counts as one whole micro-batch in the loss's division, as "
+            "the script counts its own, so the last step of such an epoch alone can differ)",
         ),
     )
 
@@ -126,10 +128,10 @@ class BatchSplit(Transform):
             if n.value == counter and names_variable(facts, n) and not facts.contains(if_.test, n):
                 line = _line(facts, n)
                 return n, f"{counter} counts micro-batches (line {line}): the split changes it"
-        accumulation = _accumulation(facts, if_.test, counter, _start(node))
+        accumulation = _accumulation(facts, if_.test, counter, _start(node), loader)
         if accumulation is None:
             return if_, (f"the optimizer step's condition `{facts.code(if_.test)}` is not `({counter} + 1) % "
-                         "accumulation == 0`")
+                         f"accumulation == 0` (or that, `or {counter} + 1 == len(loader)`)")
         code = facts.code(accumulation)
         if not any(_divides(facts, n, code) for n in walk(node.body, itself=True)):
             return if_, f"the loss is not divided by {code}: the split would change the gradient's scale"
@@ -149,7 +151,7 @@ class BatchSplit(Transform):
             if isinstance(micro, str):
                 return built, micro
             read = _read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
-                _length_read(facts, loader, code, node)
+                _length_read(facts, loader, code, node, if_.test)
             before = facts.statement_of(built)
         if read is not None:
             return read
@@ -645,8 +647,14 @@ def _start(loop: cst.For) -> int | None:
     return int(value.value) if isinstance(value, cst.Integer) and value.value in ("0", "1") else None
 
 
-def _accumulation(facts: ModuleFacts, test: cst.BaseExpression, counter: str, start: int | None):
-    """``A`` of ``(i + 1) % A == 0`` (``i % A == 0`` where enumerate counts from 1), where A is a variable."""
+def _accumulation(facts: ModuleFacts, test: cst.BaseExpression, counter: str, start: int | None,
+                  loader: str | None = None):
+    """``A`` of ``(i + 1) % A == 0`` (``i % A == 0`` where enumerate counts from 1), where A is a variable; also with
+    ``or i + 1 == len(loader)`` after it (a last, shorter step at the end of each epoch: ceil(n / A) steps, which
+    the split keeps)."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.Or) and loader is not None and \
+            _last_of_epoch(facts, test.right, counter, start, loader):
+        test = test.left
     if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
         return None
     target = test.comparisons[0]
@@ -664,6 +672,15 @@ def _accumulation(facts: ModuleFacts, test: cst.BaseExpression, counter: str, st
     if not counted or not is_reference(right):
         return None
     return right
+
+
+def _last_of_epoch(facts: ModuleFacts, test: cst.BaseExpression, counter: str, start: int | None, loader: str) -> bool:
+    """``i + 1 == len(loader)`` (or ``i == len(loader) - 1``; ``i == len(loader)`` where enumerate counts from 1):
+    the last micro-batch of the epoch."""
+    spelled = re.sub(r"[\s()]", "", facts.code(test))
+    last = {0: {f"{counter}+1==len{loader}", f"len{loader}=={counter}+1", f"{counter}==len{loader}-1"},
+            1: {f"{counter}==len{loader}", f"len{loader}=={counter}"}}.get(start, set())
+    return spelled in last
 
 
 def _line(facts: ModuleFacts, node: cst.CSTNode) -> int:
@@ -730,12 +747,16 @@ def _read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation:
     return None
 
 
-def _length_read(facts: ModuleFacts, loader: str, accumulation: str, loop: cst.CSTNode) -> tuple[cst.CSTNode, str] | None:
+def _length_read(facts: ModuleFacts, loader: str, accumulation: str, loop: cst.CSTNode,
+                 test: cst.CSTNode | None = None) -> tuple[cst.CSTNode, str] | None:
     """(where, why) for ``len(loader)`` in the loop's function: the micro-batches of an epoch, which the split divides
     by k (a scheduler's length, an epoch's steps, a resume position); None where there is none, or where each is the
     optimizer steps of an epoch, ``math.ceil(len(loader) / accumulation)``, which the split leaves as it is
-    (ceil(ceil(n / k) / (a / k)) = ceil(n / a))."""
+    (ceil(ceil(n / k) / (a / k)) = ceil(n / a)), or in ``test``, the optimizer step's condition (its last
+    micro-batch, which stays the last one)."""
     for call in facts.nodes_in(scope_of(facts, loop), cst.Call):
+        if test is not None and facts.contains(test, call):
+            continue
         if not (isinstance(call.func, cst.Name) and call.func.value == "len" and facts.qualname(call.func) in (
                 "len", "builtins.len", None) and len(call.args) == 1 and isinstance(call.args[0].value, cst.Name)
                 and call.args[0].value.value == loader):
@@ -783,7 +804,7 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, l
         if n is own or n in allowed or facts.code(n) != code or (isinstance(n, cst.Name) and not names_variable(facts, n)):
             continue
         parent = facts.parent(n)
-        if isinstance(parent, (cst.AssignTarget, cst.Param)):
+        if isinstance(parent, (cst.AssignTarget, cst.Param)) or _unpacked(facts, n):
             continue  # the binding
         if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide) and parent.right is n \
                 and facts.contains(loop, n):
@@ -808,6 +829,13 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, l
     return None
 
 
+def _unpacked(facts: ModuleFacts, node: cst.CSTNode) -> bool:
+    """Whether ``node`` is bound by unpacking: ``batch_size, accum = 4, 8``."""
+    while isinstance(parent := facts.parent(node), cst.Element) and isinstance(facts.parent(parent), (cst.Tuple, cst.List)):
+        node = facts.parent(parent)
+    return node is not None and isinstance(facts.parent(node), cst.AssignTarget)
+
+
 def _product(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
     """The outermost product ``node`` is a factor of."""
     while isinstance(parent := facts.parent(node), cst.BinaryOperation) and isinstance(parent.operator, cst.Multiply):
@@ -829,9 +857,9 @@ def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement,
     for code in codes:
         base = code.split(".", 1)[0]
         scope = scope_of(facts, before)
-        found = assignments(facts, scope, base, before=before)
+        found = _size_bindings(facts, scope, base, before)
         if not found and scope is not facts.module:
-            found = assignments(facts, facts.module, base)
+            found = _size_bindings(facts, facts.module, base, None)
         if len(found) != 1:
             return f"{base} is bound {len(found)} times before {when}: its value there is not known"
         statements.append(facts.statement_of(found[0]))
@@ -842,6 +870,21 @@ def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement,
     if any(unbound(facts, before, code) for code in codes) and facts.function_of(last) is facts.function_of(before):
         return f"{' and '.join(codes)} may be unbound where {when}"
     return last
+
+
+def _size_bindings(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.CSTNode | None) -> list[cst.Assign]:
+    """The statements of ``scope`` that bind ``name`` (before ``before``), unpacking included:
+    ``batch_size, accum = 4, 8``."""
+    found = assignments(facts, scope, name, before=before)
+    for assign in facts.nodes_in(scope, cst.Assign):
+        if assign in found or scope_of(facts, assign) is not scope or (
+                before is not None and facts._enter[assign] >= facts._enter[before]):
+            continue
+        if any(isinstance(t.target, (cst.Tuple, cst.List)) and any(
+                isinstance(e.value, cst.Name) and e.value.value == name for e in t.target.elements)
+               for t in assign.targets):
+            found.append(assign)
+    return found
 
 
 def _parameters(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement) -> cst.BaseStatement | None:
