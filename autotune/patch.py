@@ -234,9 +234,55 @@ def _batch_name(loop: TrainingLoop) -> str | None:
     if isinstance(node.iter, cst.Call) and isinstance(node.iter.func, cst.Name) and node.iter.func.value == "enumerate":
         if isinstance(target, cst.Tuple) and len(target.elements) == 2:
             target = target.elements[1].value
+        counted = node.iter.args[0].value if node.iter.args else None
+        if isinstance(counted, cst.Call) and isinstance(counted.func, cst.Name) and counted.func.value == "range":
+            # where each micro-batch starts: the batch is the first slice ``xb = x[start:...]`` the body takes
+            return _first_slice(node, target.value) if isinstance(target, cst.Name) else None
     if isinstance(target, (cst.Tuple, cst.List)) and target.elements:
         target = target.elements[0].value
     return target.value if isinstance(target, cst.Name) else None
+
+
+def _micro_batch_name(facts: ModuleFacts, loop: TrainingLoop, scope: StepScope) -> str | None:
+    """The micro-batch of an inner accumulation loop (``for micro in range(accum):``) that holds every backward():
+    the first name bound there from ``next(...)``, ``get_batch(...)`` of the script's own or ``loader.next_batch()``
+    (``x, y = next(batches)``: ``x``), whose first dimension counts the step's samples; None where there is none."""
+    if loop.module is not facts or not scope.backward:
+        return None
+    inner = None
+    for node in facts.ancestors(scope.backward[0]):
+        if node is loop.node:
+            break
+        if isinstance(node, cst.For):
+            inner = node
+    if inner is None or not all(facts.contains(inner, b) for b in scope.backward):
+        return None
+    defined = {d.name.value for d in facts.module.body if isinstance(d, cst.FunctionDef)}
+    for assign in facts.nodes_in(inner.body, cst.Assign):
+        value, target = assign.value, assign.targets[0].target
+        if not isinstance(value, cst.Call) or len(assign.targets) != 1:
+            continue
+        func = value.func
+        batches = (isinstance(func, cst.Name) and (func.value == "next" or func.value in defined)) or (
+            isinstance(func, cst.Attribute) and func.attr.value == "next_batch")
+        if isinstance(target, (cst.Tuple, cst.List)) and target.elements:
+            target = target.elements[0].value
+        if batches and isinstance(target, cst.Name):
+            return target.value
+    return None
+
+
+def _first_slice(loop: cst.For, start: str) -> str | None:
+    """``xb`` of the first statement ``xb = x[start:...]`` directly in the loop's body."""
+    for statement in loop.body.body:
+        small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and statement.body else None
+        if not (isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name)
+                and isinstance(small.value, cst.Subscript) and small.value.slice):
+            continue
+        bounds = small.value.slice[0].slice
+        if isinstance(bounds, cst.Slice) and isinstance(bounds.lower, cst.Name) and bounds.lower.value == start:
+            return small.targets[0].target.value
+    return None
 
 
 def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
@@ -262,7 +308,8 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
                 args.append(f"batch={batch}")
             edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
         if hidden:
-            _accumulate_hooks(facts, scope, edits, _batch_name(loop) if counted else None)
+            batch = _batch_name(loop) if counted else _micro_batch_name(facts, loop, scope)
+            _accumulate_hooks(facts, scope, edits, batch)
 
 
 def _framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:

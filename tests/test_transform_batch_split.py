@@ -338,7 +338,7 @@ def test_other_shapes_bigger_micro_batches_train_each_step_on_the_same_samples(t
     split = trial(script, [], tmp_path, knobs={"batch_split.factor": 4}, warmup=1, steps=3)
     assert base["status"] == split["status"] == "ok", split["error"]
     assert split["applied"] == ["batch_split.factor"] and base["applied"] == []
-    assert base["batch_size"] == split["batch_size"]  # samples per optimizer step
+    assert base["batch_size"] == split["batch_size"] == {"sampled": 32, "micro_loop": 32, "sliced": 64}[name]  # per step
     flat = [v for row in split["losses"] for v in row]
     assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)
 
