@@ -34,6 +34,9 @@ ROLE_CONFIRM = "confirm"
 ROLE_PERTURBED = "perturbed"
 # one run of a duel: two configurations whose search runs differ by less than the noise, re-measured in A/B pairs
 ROLE_DUEL = "duel"
+# a second run of the best candidate so far, whose only run compiled from cold: what each run of its confirmation
+# costs with the compiler's caches warm (its speed counts nowhere; its wall sizes the time set aside)
+ROLE_REPEAT = "repeat"
 ROLE_DUPLICATE = "duplicate"  # the sampler proposed a configuration already measured: its result is reused
 ROLE_YIELDED = "yielded"  # another worker claimed the same program first: ended FAIL without running
 
