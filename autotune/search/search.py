@@ -365,6 +365,17 @@ class Search:
                 return config
         return None
 
+    def _repeat(self) -> bool:
+        """Run a compiling program a second time where ``_to_repeat`` says so; whether it ran."""
+        again = self._to_repeat()
+        if again is None:
+            return False
+        why = ("the time kept for confirmation, sized by compiling runs from cold, stops the search: a second run "
+               "shows what a run costs with the compiler's caches warm")
+        self._reserve_now = self._least_reserve()
+        self._trial(again, ROLE_REPEAT, {"why": why}, claim_key(ROLE_REPEAT, self.machine.key, self.programs.program(again)))
+        return True
+
     def _least_reserve(self) -> float:
         """The least a confirmation could cost: each of its runs as long as the baseline's."""
         return RUN_MARGIN * self._pairs_kept() * 2 * self._estimate()
@@ -672,6 +683,8 @@ class Search:
                     self._wait("configuration(s) other workers are measuring", self._taken)
                     continue
                 if self.plan.untried:
+                    if self._repeat():
+                        continue
                     return self._out_of_time(
                         f"{self.plan.untried} knob change(s) on the best configuration were not tried")
                 if self.o.trials is None:  # the time left goes to untried configurations that could still win
@@ -692,15 +705,9 @@ class Search:
             self._reserve_now = self._reserve_for(config)
             cost = self._cost(config) if config is not None else self._estimate()
             if self._time_left() < RUN_MARGIN * cost + self._reserve_now:
-                again = self._to_repeat()
-                if again is None:
-                    return self._out_of_time()
-                why = ("time set aside for confirmation, sized by compiling runs from cold, stops the search: a second "
-                       "run shows what a run costs with the compiler's caches warm")
-                self._reserve_now = self._least_reserve()
-                self._trial(again, ROLE_REPEAT, {"why": why},
-                            claim_key(ROLE_REPEAT, self.machine.key, self.programs.program(again)))
-                continue
+                if self._repeat():
+                    continue
+                return self._out_of_time()
             since = 0
             for r in reversed(self.results):  # this machine's search trials since its last baseline run
                 if r.machine != self.machine.key:
