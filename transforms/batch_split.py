@@ -144,12 +144,10 @@ class BatchSplit(Transform):
             read = _read_elsewhere(facts, micro, accumulation, node, losses, allowed=uppers)
             built = before = facts.statement_of(node)
         else:
-            built = _loader_call(facts, node, loader)
-            if isinstance(built, str):
-                return node, built
-            micro = _batch_size_of(facts, built)
-            if isinstance(micro, str):
-                return built, micro
+            found = _loader_size(facts, node, loader)
+            if isinstance(found[1], str):
+                return found
+            built, micro = found
             read = _read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
                 _length_read(facts, loader, code, node, if_.test)
             before = facts.statement_of(built)
@@ -433,12 +431,10 @@ def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str, accumulation: 
     if len(loaders) != 1:
         return inner, f"next({name}): {name} is not bound to iter() of one DataLoader"
     (loader,) = loaders
-    built = _loader_call(facts, inner, loader)
-    if isinstance(built, str):
-        return inner, built
-    micro = _batch_size_of(facts, built)
-    if isinstance(micro, str):
-        return built, micro
+    found = _loader_size(facts, inner, loader)
+    if isinstance(found[1], str):
+        return found
+    built, micro = found
     return _length_read(facts, loader, accumulation, inner) or (micro, facts.statement_of(built))
 
 
@@ -701,6 +697,14 @@ def _divides(facts: ModuleFacts, node: cst.CSTNode, code: str) -> bool:
     if isinstance(node, cst.AugAssign) and isinstance(node.operator, cst.DivideAssign):
         return facts.code(node.value) == code
     return False
+
+
+def _loader_size(facts: ModuleFacts, loop: cst.For, loader: str):
+    """(the ``DataLoader(...)`` call ``loader`` is bound to, its batch size's expression), or (where, why not)."""
+    built = _loader_call(facts, loop, loader)
+    if isinstance(built, str):
+        return loop, built
+    return built, _batch_size_of(facts, built)
 
 
 def _loader_call(facts: ModuleFacts, loop: cst.For, loader: str) -> cst.Call | str:
