@@ -50,8 +50,8 @@ from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CONFIRM,
     ROLE_DUEL,
-    ROLE_REPEAT,
     ROLE_PERTURBED,
+    ROLE_REPEAT,
     ROLE_SEARCH,
     StudyStore,
     claim_key,
@@ -333,14 +333,15 @@ class Search:
         """The measured runs of each compiling program, in order."""
         programs: dict[str, list[TrialResult]] = {}
         for r in self.results:
-            if r.measured and self._compiles(r.config):
+            if r.measured and r.role != ROLE_PERTURBED and self._compiles(r.config):
                 programs.setdefault(self.programs.program(r.config), []).append(r)
         return programs
 
     def _program_runs(self, config: Mapping[str, Any]) -> list[TrialResult]:
-        """The measured runs of ``config``'s program, in order."""
+        """The measured runs of ``config``'s program, in order (not the baseline on other threads: it is slower)."""
         key = self.programs.program(config)
-        return [r for r in self.results if r.measured and r.wall_s and self.programs.program(r.config) == key]
+        return [r for r in self.results if r.measured and r.wall_s and r.role != ROLE_PERTURBED
+                and self.programs.program(r.config) == key]
 
     def _latest(self, config: Mapping[str, Any]) -> TrialResult | None:
         runs = self._program_runs(config)
