@@ -321,6 +321,16 @@ def test_an_inner_loop_is_split_only_where_its_draws_stay_the_same(tmp_path, par
     assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == expected
 
 
+def test_an_inner_loop_over_a_loaders_iterator_is_not_split_where_its_length_is_read(tmp_path):
+    text = case("batch_split", "micro_loop").read_text()
+    assert [s for s, _ in _scan_template(tmp_path, text.replace("{", "{{").replace("}", "}}"), {}, {})] == [
+        Status.APPLICABLE]
+    epochs = text.replace("    batches = iter(loader)\n", "    print(len(loader) * steps)\n    batches = iter(loader)\n", 1)
+    assert _scan_template(tmp_path, epochs.replace("{", "{{").replace("}", "}}"), {}, {}) == [(
+        Status.NOT_APPLICABLE, "len(loader) at line 16 counts micro-batches: the split would change it (only "
+        "math.ceil(len(loader) / accumulation), an epoch's optimizer steps, stays the same)")]
+
+
 @pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants", "sliced"])
 def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_path, name):
     # constants: the split of two module-level settings goes after the second (it once went between them)
