@@ -259,10 +259,9 @@ def _micro_batch_name(facts: ModuleFacts, loop: TrainingLoop, scope: StepScope) 
         return None
     defined = {d.name.value for d in facts.module.body if isinstance(d, cst.FunctionDef)}
     for assign in facts.nodes_in(inner.body, cst.Assign):
-        value, target = assign.value, assign.targets[0].target
-        if not isinstance(value, cst.Call) or len(assign.targets) != 1:
+        if not isinstance(assign.value, cst.Call) or len(assign.targets) != 1:
             continue
-        func = value.func
+        func, target = assign.value.func, assign.targets[0].target
         batches = (isinstance(func, cst.Name) and (func.value == "next" or func.value in defined)) or (
             isinstance(func, cst.Attribute) and func.attr.value == "next_batch")
         if isinstance(target, (cst.Tuple, cst.List)) and target.elements:

@@ -294,16 +294,25 @@ def names_read(facts: ModuleFacts, owner: cst.CSTNode) -> Iterator[cst.Name]:
         yield name
 
 
-def _is_store(facts: ModuleFacts, name: cst.Name) -> bool:
+def _target_of(facts: ModuleFacts, name: cst.Name) -> tuple[cst.CSTNode, cst.CSTNode | None]:
+    """(the whole target ``name`` is part of, what holds that target): ``(a, b)`` and its AssignTarget for ``b``."""
     node: cst.CSTNode = name
     parent = facts.parent(node)
     while isinstance(parent, (cst.Tuple, cst.List, cst.Element, cst.StarredElement)):
         node, parent = parent, facts.parent(parent)
-    if isinstance(parent, cst.AssignTarget) and parent.target is node:
-        return True
-    if isinstance(parent, (cst.AnnAssign, cst.AugAssign)) and parent.target is node:
-        return True
-    if isinstance(parent, (cst.For, cst.CompFor)) and parent.target is node:
+    return node, parent
+
+
+def is_assigned(facts: ModuleFacts, name: cst.Name) -> bool:
+    """Whether ``name`` is bound by an ``=`` assignment, alone or unpacked (``batch_size, accum = 4, 8``)."""
+    node, parent = _target_of(facts, name)
+    return isinstance(parent, cst.AssignTarget) and parent.target is node
+
+
+def _is_store(facts: ModuleFacts, name: cst.Name) -> bool:
+    node, parent = _target_of(facts, name)
+    if isinstance(parent, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor)) and \
+            parent.target is node:
         return True
     return isinstance(parent, cst.AsName)
 
@@ -327,15 +336,18 @@ def scope_of(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
     return facts.function_of(node) or facts.module
 
 
-def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.CSTNode | None = None) -> list[cst.Assign]:
-    """The ``name = ...`` statements of ``scope`` (not of functions nested in it), before ``before`` when given."""
+def assignments(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.CSTNode | None = None,
+                unpacking: bool = False) -> list[cst.Assign]:
+    """The ``name = ...`` statements of ``scope`` (not of functions nested in it), before ``before`` when given;
+    with ``unpacking``, also those that bind it as an element of a tuple (``batch_size, accum = 4, 8``)."""
     out = []
     for assign in facts.nodes_in(scope, cst.Assign):
         if scope_of(facts, assign) is not scope:
             continue
         if before is not None and facts._enter[assign] >= facts._enter[before]:
             continue
-        if any(binds(facts, t.target, name) for t in assign.targets):
+        if any(binds(facts, t.target, name) or (unpacking and isinstance(t.target, (cst.Tuple, cst.List)) and any(
+                binds(facts, e.value, name) for e in t.target.elements)) for t in assign.targets):
             out.append(assign)
     return out
 

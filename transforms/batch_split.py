@@ -13,7 +13,7 @@ from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics
 from autotune.project import TrainingLoop
 from autotune.syntax import (
-    argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, walk,
+    argument, assignments, enclosing_if, is_assigned, is_literal, is_reference, names_variable, scope_of, stmt, walk,
 )
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._step import CLIP
@@ -761,9 +761,7 @@ def _length_read(facts: ModuleFacts, loader: str, accumulation: str, loop: cst.C
     for call in facts.nodes_in(scope_of(facts, loop), cst.Call):
         if test is not None and facts.contains(test, call):
             continue
-        if not (isinstance(call.func, cst.Name) and call.func.value == "len" and facts.qualname(call.func) in (
-                "len", "builtins.len", None) and len(call.args) == 1 and isinstance(call.args[0].value, cst.Name)
-                and call.args[0].value.value == loader):
+        if not _len_of(facts, call, loader):
             continue
         if _epoch_steps(facts, facts.parent(call), loader, accumulation):
             continue
@@ -778,12 +776,15 @@ def _epoch_steps(facts: ModuleFacts, divided: cst.CSTNode, loader: str | None, a
     ceil = facts.parent(arg) if isinstance(arg, cst.Arg) else None
     if not (loader is not None and isinstance(divided, cst.BinaryOperation) and isinstance(divided.operator, cst.Divide)):
         return False
-    left = divided.left
-    return (isinstance(left, cst.Call)
-            and isinstance(left.func, cst.Name) and left.func.value == "len" and len(left.args) == 1
-            and isinstance(left.args[0].value, cst.Name) and left.args[0].value.value == loader
-            and facts.code(divided.right) == accumulation and isinstance(ceil, cst.Call)
-            and facts.qualname(ceil.func) == "math.ceil")
+    return (_len_of(facts, divided.left, loader) and facts.code(divided.right) == accumulation
+            and isinstance(ceil, cst.Call) and facts.qualname(ceil.func) == "math.ceil")
+
+
+def _len_of(facts: ModuleFacts, node: cst.CSTNode, loader: str) -> bool:
+    """Whether ``node`` is ``len(loader)``."""
+    return (isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "len"
+            and facts.qualname(node.func) in ("len", "builtins.len", None) and len(node.args) == 1
+            and isinstance(node.args[0].value, cst.Name) and node.args[0].value.value == loader)
 
 
 def _placed(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseStatement, at: cst.CSTNode,
@@ -808,8 +809,8 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, l
         if n is own or n in allowed or facts.code(n) != code or (isinstance(n, cst.Name) and not names_variable(facts, n)):
             continue
         parent = facts.parent(n)
-        if isinstance(parent, (cst.AssignTarget, cst.Param)) or _unpacked(facts, n):
-            continue  # the binding
+        if isinstance(parent, (cst.AssignTarget, cst.Param)) or (isinstance(n, cst.Name) and is_assigned(facts, n)):
+            continue  # the binding, alone or unpacked
         if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide) and parent.right is n \
                 and facts.contains(loop, n):
             continue
@@ -833,13 +834,6 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, l
     return None
 
 
-def _unpacked(facts: ModuleFacts, node: cst.CSTNode) -> bool:
-    """Whether ``node`` is bound by unpacking: ``batch_size, accum = 4, 8``."""
-    while isinstance(parent := facts.parent(node), cst.Element) and isinstance(facts.parent(parent), (cst.Tuple, cst.List)):
-        node = facts.parent(parent)
-    return node is not None and isinstance(facts.parent(node), cst.AssignTarget)
-
-
 def _product(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
     """The outermost product ``node`` is a factor of."""
     while isinstance(parent := facts.parent(node), cst.BinaryOperation) and isinstance(parent.operator, cst.Multiply):
@@ -861,9 +855,9 @@ def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement,
     for code in codes:
         base = code.split(".", 1)[0]
         scope = scope_of(facts, before)
-        found = _size_bindings(facts, scope, base, before)
+        found = assignments(facts, scope, base, before=before, unpacking=True)
         if not found and scope is not facts.module:
-            found = _size_bindings(facts, facts.module, base, None)
+            found = assignments(facts, facts.module, base, unpacking=True)
         if len(found) != 1:
             return f"{base} is bound {len(found)} times before {when}: its value there is not known"
         statements.append(facts.statement_of(found[0]))
@@ -874,21 +868,6 @@ def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement,
     if any(unbound(facts, before, code) for code in codes) and facts.function_of(last) is facts.function_of(before):
         return f"{' and '.join(codes)} may be unbound where {when}"
     return last
-
-
-def _size_bindings(facts: ModuleFacts, scope: cst.CSTNode, name: str, before: cst.CSTNode | None) -> list[cst.Assign]:
-    """The statements of ``scope`` that bind ``name`` (before ``before``), unpacking included:
-    ``batch_size, accum = 4, 8``."""
-    found = assignments(facts, scope, name, before=before)
-    for assign in facts.nodes_in(scope, cst.Assign):
-        if assign in found or scope_of(facts, assign) is not scope or (
-                before is not None and facts._enter[assign] >= facts._enter[before]):
-            continue
-        if any(isinstance(t.target, (cst.Tuple, cst.List)) and any(
-                isinstance(e.value, cst.Name) and e.value.value == name for e in t.target.elements)
-               for t in assign.targets):
-            found.append(assign)
-    return found
 
 
 def _parameters(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement) -> cst.BaseStatement | None:

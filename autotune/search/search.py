@@ -305,16 +305,18 @@ class Search:
         from cold; the runs after it find the compiler's caches warm (bench/scripts/gpt_accum.py on 2 CPU cores: 26 s,
         then 6 s; the baseline 4 s): where a second run of some compiling program has shown that, its extra time over
         the baseline stands for the warm compile of any."""
-        warm = self._compile_extras(warm=True)
-        if not self._compiles(config) or not warm:
+        programs = self._compiling_programs()
+        later = [r for rs in programs.values() for r in rs[1:]]
+        if not self._compiles(config) or not later:
             return self._cost(config)
-        runs = self._program_runs(config)
+        runs = programs.get(self.programs.program(config), [])
         if len(runs) > 1:
             return self._scaled(runs[-1])
-        warmups = [r.warmup_s for rs in self._compiling_programs().values() for r in rs[1:] if r.warmup_s is not None]
+        base = self._estimate()
+        warmups = [r.warmup_s for r in later if r.warmup_s is not None]
         if runs and runs[0].warmup_s is not None and warmups:  # its own run, with a warm start-up for its cold one
-            return max(self._scaled(runs[0]) - runs[0].warmup_s + max(warmups), self._estimate())
-        return self._estimate() + self._compile_s(config, warm)
+            return max(self._scaled(runs[0]) - runs[0].warmup_s + max(warmups), base)
+        return base + self._compile_s(config, [self._scaled(r) - base for r in later])
 
     def _compile_s(self, config: Mapping[str, Any], extras: list[float]) -> float:
         compile_s = max(max(extras, default=COMPILE_GUESS_S), 0.0)
@@ -333,7 +335,7 @@ class Search:
         """The measured runs of each compiling program, in order."""
         programs: dict[str, list[TrialResult]] = {}
         for r in self.results:
-            if r.measured and r.role != ROLE_PERTURBED and self._compiles(r.config):
+            if r.measured and r.wall_s and r.role != ROLE_PERTURBED and self._compiles(r.config):
                 programs.setdefault(self.programs.program(r.config), []).append(r)
         return programs
 
@@ -357,14 +359,14 @@ class Search:
         if self._compile_extras(warm=True) or any(r.role == ROLE_REPEAT and r.machine == me for r in self.results):
             return None
         ranked = self.candidates()
-        options = [ranked[0][0]] if ranked and self._compiles(ranked[0][0]) else []
-        options += [dict(r.config) for r in reversed(self.results)
-                    if r.measured and r.machine == me and self._compiles(r.config)]
-        for config in options[:1]:
-            if len(self._program_runs(config)) == 1 and \
-                    self._time_left() >= RUN_MARGIN * self._cost(config) + self._least_reserve():
-                return config
-        return None
+        if ranked and self._compiles(ranked[0][0]):
+            config = ranked[0][0]
+        else:
+            config = next((dict(r.config) for r in reversed(self.results)
+                           if r.measured and r.machine == me and self._compiles(r.config)), None)
+        if config is None or len(self._program_runs(config)) != 1:
+            return None
+        return config if self._time_left() >= RUN_MARGIN * self._cost(config) + self._least_reserve() else None
 
     def _repeat(self) -> bool:
         """Run a compiling program a second time where ``_to_repeat`` says so; whether it ran."""
