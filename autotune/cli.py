@@ -271,6 +271,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         confirm=args.confirm,
         launcher=args.launcher,
         train_steps=args.train_steps,
+        isolation=args.isolation,
     )
     outcome = run_search(options, SearchDisplay(console))
     print_summary(outcome, write_outputs(outcome), console)
@@ -379,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument(
         "--train-steps", type=int, metavar="N",
         help="your real run's length in steps: rank by time to train N steps, compile time included",
+    )
+    search.add_argument(
+        "--isolation", choices=("overlay", "python"), default="overlay",
+        help="how trials are kept off your files: overlay (default; Linux: your folders are overlays in a private "
+        "mount namespace, whatever the script runs) or python (where that is refused: Python's own writes only)",
     )
     search.add_argument(
         "--steps", type=int,

@@ -230,11 +230,13 @@ SHARED_CACHES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HU
                  "TORCH_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
 
-def _keep_user_files(mirror: str, real: str, own: str) -> None:
+def _keep_user_files(mirror: str, real: str, own: str, isolated: bool = False) -> None:
     """Under a trial, run in a mirror of the user's working directory made of links to its entries: a write
     through a link first turns that link into the trial's own file or folder, so the user's files are only ever
-    read; overwriting or deleting one of the user's files by its absolute path is refused (a new file may be made),
-    except lock files (``*.lock``, which hold nothing) and files under a shared cache (``SHARED_CACHES``).
+    read. Where the trial is not ``isolated`` (its folders are no overlays: autotune.isolate), overwriting or
+    deleting one of the user's files by its absolute path is refused (a new file may be made), except lock files
+    (``*.lock``, which hold nothing) and files under a shared cache (``SHARED_CACHES``); in an overlay such a
+    write lands in the trial's own upper layer, so the script goes on as the user's own run would.
 
     An audit hook, so that every way Python opens or moves a file is covered (open, os.open, numpy, tarfile);
     torch.save writes from C++ by name, so it is wrapped once torch is imported.
@@ -281,7 +283,7 @@ def _keep_user_files(mirror: str, real: str, own: str) -> None:
                 own_copy(path if final else os.path.join(path, "x"), contents and final)  # "x": the folders only
             finally:
                 inside.busy = False
-        elif (under(path, real) and not under(path, own) and os.path.lexists(path) and (final or not made)
+        elif (not isolated and under(path, real) and not under(path, own) and os.path.lexists(path) and (final or not made)
               and not path.endswith(".lock") and not any(under(path, cache) for cache in caches)):
             raise PermissionError(f"autotune: a trial does not overwrite or delete your files ({path}): use a path "
                                   "relative to the working directory, which a trial sees as a folder of its own")
@@ -342,7 +344,7 @@ def _start_trial() -> _Trial | None:
         return None
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     if spec.get("mirror"):
-        _keep_user_files(spec["mirror"], spec["cwd"], spec["own"])
+        _keep_user_files(spec["mirror"], spec["cwd"], spec["own"], bool(spec.get("isolated")))
     trial = _Trial(spec)
     previous_hook = sys.excepthook
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
+
+from autotune.errors import UsageError
 from autotune.project import load_project
 from autotune.patch import run
-from autotune.search.trial import Outcome, Runner, TrialSettings
+from autotune.search.trial import PYTHON, Outcome, Runner, TrialSettings
 
 # nanoGPT-style saving, every way a script writes a file: torch.save by name, into a folder it makes, an appended
 # log, a file beside the working directory, numpy, and a write-then-rename; each read back as the script left it
@@ -61,11 +65,12 @@ def _user_folder(root: Path) -> dict[Path, str]:
     return files
 
 
-def _trial(tmp_path: Path, body: str, cwd: Path):
+def _trial(tmp_path: Path, body: str, cwd: Path, isolation: str = "overlay"):
     script = tmp_path / "code" / "train.py"
     script.parent.mkdir()
     script.write_text(body)
-    runner = Runner(run(load_project(script)), tmp_path / "work", TrialSettings((), cwd, "cpu", 1, 2))
+    settings = TrialSettings((), cwd, "cpu", 1, 2, isolation=isolation)
+    runner = Runner(run(load_project(script)), tmp_path / "work", settings)
     return runner.run({}, "baseline", timeout=240)
 
 
@@ -79,10 +84,19 @@ def test_a_trials_writes_land_in_its_own_folder_never_on_the_users_files(tmp_pat
 
 
 def test_a_trial_may_not_overwrite_the_users_files_by_their_absolute_path(tmp_path):
+    """Without the overlay Python's guard refuses the write (the run fails, saying why)."""
+    files = _user_folder(tmp_path / "user")
+    body = SAVER.replace('"ckpt.pt"', repr(str(tmp_path / "user" / "run" / "ckpt.pt")), 1)
+    result = _trial(tmp_path, body, tmp_path / "user" / "run", isolation=PYTHON)
+    assert result.status is Outcome.CRASH and "a trial does not overwrite or delete your files" in result.stderr_tail
+    assert {p: p.read_bytes().decode(errors="replace") for p in files} == files
+
+
+def test_in_an_overlay_a_trial_overwrites_by_absolute_path_as_the_real_run_would_and_the_users_file_stays(tmp_path):
     files = _user_folder(tmp_path / "user")
     body = SAVER.replace('"ckpt.pt"', repr(str(tmp_path / "user" / "run" / "ckpt.pt")), 1)
     result = _trial(tmp_path, body, tmp_path / "user" / "run")
-    assert result.status is Outcome.CRASH and "a trial does not overwrite or delete your files" in result.stderr_tail
+    assert result.status is Outcome.OK, result.stderr_tail
     assert {p: p.read_bytes().decode(errors="replace") for p in files} == files
 
 
@@ -123,3 +137,116 @@ def test_a_trial_uses_the_libraries_shared_cache_and_lock_files_in_the_users_fol
     assert result.status is Outcome.OK, result.stderr_tail
     assert {p: p.read_bytes().decode(errors="replace") for p in files} == files  # the user's other files as they were
     assert (cache / "entry.arrow").read_text() == "CACHED"
+
+
+# what a script may run below Python while it trains, each writing into the user's folder (USER_DIR, absolute) or by
+# a relative path: a shell appending, a subprocess copying over a file, SQLite inserting rows (an experiment
+# tracker's store), a shell deleting by absolute path, C writing through an absolute path, a mode changed
+BELOW_PYTHON = '''
+import ctypes
+import os
+import sqlite3
+import subprocess
+
+import torch
+
+HERE = os.environ["USER_DIR"]
+libc = ctypes.CDLL(None, use_errno=True)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(8):
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    assert os.system("echo x >> data.txt") == 0
+    subprocess.run(["cp", "space.yaml", "data.txt"], check=True)
+    con = sqlite3.connect("metrics.db")
+    con.execute("insert into metrics values (?, ?)", (i, float(loss)))
+    con.commit()
+    con.close()
+    assert os.system(f"rm -f {HERE}/gone.txt") == 0
+    fd = libc.open(os.path.join(HERE, "c.bin").encode(), os.O_WRONLY | os.O_TRUNC)
+    assert fd >= 0 and libc.write(fd, b"from C", 6) == 6 and libc.close(fd) == 0
+    assert os.system(f"echo shell > {HERE}/abs.txt") == 0
+    os.chmod(os.path.join(HERE, "mode.txt"), 0o600)
+    open(os.path.join(HERE, "created.txt"), "a").write("new")  # a new file by absolute path, in every run
+'''
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``folder`` with its bytes and mode, and every SQLite file's rows."""
+    import sqlite3
+
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(folder))] = (p.read_bytes(), p.stat().st_mode)
+            if p.suffix == ".db":
+                out[f"{p.name} rows"] = (repr(sqlite3.connect(p).execute("select * from metrics").fetchall()).encode(), 0)
+    return out
+
+
+def _below_python_folder(root: Path) -> Path:
+    import sqlite3
+
+    root.mkdir(parents=True)
+    for name, text in {"data.txt": "USER DATA\n", "space.yaml": "knobs: {}\n", "gone.txt": "KEEP\n",
+                       "c.bin": "USER C", "abs.txt": "USER ABS\n", "mode.txt": "MODE\n"}.items():
+        (root / name).write_text(text)
+    (root / "mode.txt").chmod(0o644)
+    con = sqlite3.connect(root / "metrics.db")
+    con.execute("create table metrics (step int, loss real)")
+    con.execute("insert into metrics values (-1, 0.0)")
+    con.commit()
+    con.close()
+    return root
+
+
+def test_nothing_a_trial_runs_below_python_reaches_the_users_files(tmp_path, monkeypatch):
+    user = _below_python_folder(tmp_path / "user")
+    monkeypatch.setenv("USER_DIR", str(user))
+    before = _snapshot(user)
+    for _ in range(2):  # twice: a file the first run created by absolute path would be there for the second
+        result = _trial(tmp_path, BELOW_PYTHON, user)
+        assert result.status is Outcome.OK, result.stderr_tail
+        assert _snapshot(user) == before  # every byte, mode and row as it was; nothing new, nothing gone
+        shutil.rmtree(tmp_path / "code")
+
+
+def test_without_the_overlay_the_same_script_changes_the_users_files(tmp_path, monkeypatch):
+    """What --isolation python leaves open, and why it is not the default (the test above fails this way): by the
+    time Python's guard refuses the second write of created.txt, the first step's writes have reached them."""
+    user = _below_python_folder(tmp_path / "user")
+    monkeypatch.setenv("USER_DIR", str(user))
+    before = _snapshot(user)
+    result = _trial(tmp_path, BELOW_PYTHON, user, isolation=PYTHON)
+    assert result.status is Outcome.CRASH and "created.txt" in result.stderr_tail
+    after = _snapshot(user)
+    assert "gone.txt" not in after and after["data.txt"][0] == b"knobs: {}\n" and after["c.bin"][0] == b"from C"
+    assert after["metrics.db rows"] != before["metrics.db rows"] and after["mode.txt"][1] & 0o777 == 0o600
+
+
+def test_a_search_says_how_its_trials_are_isolated_and_refuses_where_they_cannot_be(tmp_path, monkeypatch):
+    from autotune.isolate import IsolationError
+    from autotune.search import search as search_module
+    from autotune.search.live import QuietDisplay
+    from autotune.search.options import SearchOptions
+
+    script = tmp_path / "train.py"
+    script.write_text(SAVER)
+    monkeypatch.chdir(tmp_path)
+    s = search_module.Search(SearchOptions(script=script, out=tmp_path / "out"), QuietDisplay())
+    words = s._isolation(TrialSettings((), tmp_path, "cpu", 1, 2, folders=(tmp_path,)))
+    assert f"each run sees {tmp_path.resolve()} as an overlay in a private mount namespace" in words
+
+    def refused(folders):
+        raise IsolationError(1, "unshare(CLONE_NEWUSER | CLONE_NEWNS): Operation not permitted")
+
+    monkeypatch.setattr(search_module, "probe_isolation", refused)
+    with pytest.raises(UsageError, match=r"trials cannot be isolated from your files here \(unshare.*Operation not "
+                                         r"permitted\): pass --isolation python"):
+        s.run()
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    words = s._isolation(TrialSettings((), tmp_path, "cpu", 1, 2, isolation=PYTHON))
+    assert words.startswith("Python's own writes only (--isolation python)")

@@ -131,6 +131,8 @@ class SearchDisplay:
         if o.launcher:
             self.console.print(f"  each trial runs under: {o.launcher}", markup=False, soft_wrap=True)
         self.console.print(f"  machine: {search.machine.key}", markup=False, soft_wrap=True)
+        if search.isolation:
+            self.console.print(f"  your files: {search.isolation}", markup=False, soft_wrap=True)
         if search.results:
             others = sum(r.machine != search.machine.key for r in search.results)
             self.console.print(

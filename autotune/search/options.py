@@ -49,6 +49,7 @@ class SearchOptions:
     env: Mapping[str, str | None] = field(default_factory=dict)  # extra environment for every trial
     launcher: str | None = None  # a command that runs each trial as a distributed job ("torchrun --nproc_per_node=2")
     train_steps: int | None = None  # the real run's length: the objective becomes time to train, compile included
+    isolation: str = "overlay"  # how trials are kept off the user's files (autotune.search.trial.ISOLATIONS)
 
     @property
     def budget(self) -> float | None:

@@ -56,7 +56,17 @@ from autotune.search.study import (
     StudyStore,
     claim_key,
 )
-from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, unreached
+from autotune.isolate import IsolationError
+from autotune.search.trial import (
+    PYTHON,
+    Outcome,
+    Runner,
+    TrialResult,
+    TrialSettings,
+    probe_isolation,
+    protected,
+    unreached,
+)
 
 WORK_NAME = ".work"
 LOCK_NAME = ".autotune.lock"
@@ -93,6 +103,7 @@ class Search:
         self.fingerprint, self.study_name = ready.fingerprint, ready.study_name
         self.storage_desc = options.storage or str(self.out / DB_NAME)
         self.mode = "descent"
+        self.isolation: str | None = None  # how trials are kept off the user's files, in words (set when it runs)
         self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
         self.results: list[TrialResult] = []
         self.foreign: dict[int | None, list[tuple[str, Any]]] = {}  # study runs left out: trial -> odd knob values
@@ -130,6 +141,9 @@ class Search:
         self.hard_end = self.deadline + SLACK * self.o.budget - OUTPUT_S if self.o.budget else math.inf
         # a storage of the user's is opened first: one it refuses leaves nothing behind, not even the output folder
         storage = open_storage(self.o.storage) if self.o.storage is not None else None
+        settings = TrialSettings(tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, {},
+                                 self.launcher, self.o.isolation, (self.project.root,))
+        self.isolation = self._isolation(settings)  # before anything is written: a refusal leaves nothing
         claim_out_dir(self.out)
         lock = OutDirLock(self.out, LOCK_NAME)
         env = dict(self.o.env)
@@ -152,13 +166,7 @@ class Search:
             self.store = StudyStore(storage, self.study_name, seed=self.o.seed, machine=self.machine.key)
             self.store.adopt(self.fingerprint, self.space, self.ready.about(self.o))
             self.lengths = self.store.lengths() or self.lengths
-            self.runner = self.runner_factory(
-                self.patch,
-                self.out / WORK_NAME,
-                TrialSettings(
-                    tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, env, self.launcher
-                ),
-            )
+            self.runner = self.runner_factory(self.patch, self.out / WORK_NAME, replace(settings, env=env))
             self.runner.resize(*self.lengths)
             self._refresh()
             self.display.begin(self)
@@ -185,6 +193,22 @@ class Search:
         self._refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
         winner = next((c for c in confirmations if c.accepted), None)
         return self._outcome(stopped, confirmations, winner, self.machine.key, self.clock() - self.started)
+
+    def _isolation(self, settings: TrialSettings) -> str:
+        """How trials are kept off the user's files, in words for the header; a UsageError where the overlay was
+        asked for (the default) and this machine refuses it."""
+        folders = ", ".join(dict.fromkeys(str(f.resolve()) for f in protected(settings)))
+        if settings.isolation == PYTHON:
+            return (f"Python's own writes only (--isolation python): a shell, a subprocess or C code a run starts "
+                    f"writes straight into {folders}")
+        try:
+            cost = probe_isolation(protected(settings))
+        except IsolationError as exc:
+            raise UsageError(
+                f"trials cannot be isolated from your files here ({exc.strerror or exc}): pass --isolation python to "
+                "run them with only Python's own writes kept off your files"
+            ) from None
+        return f"each run sees {folders} as an overlay in a private mount namespace (+{cost:.2f}s a run)"
 
     def _outcome(
         self, stopped, confirmations, winner, machine: str, wall_s: float, from_study: bool = False

@@ -25,7 +25,8 @@ import yaml
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
-from autotune.runtime import CONFIG_ENV, TRIAL_ENV
+from autotune.isolate import Isolation, IsolationError
+from autotune.runtime import CONFIG_ENV, SHARED_CACHES, TRIAL_ENV
 from autotune.search.machine import machine_key
 
 STDERR_TAIL_CHARS = 2000
@@ -328,6 +329,47 @@ class TrialSettings:
     steps: int
     env: Mapping[str, str | None] = field(default_factory=dict)  # layered over os.environ; None removes
     launcher: tuple[str, ...] = ()  # runs ``launcher + [script] + args`` in place of ``python script args``
+    # OVERLAY: each trial sees ``cwd`` and ``folders`` as overlays in a private mount namespace (autotune.isolate);
+    # PYTHON: only the runtime's guard of Python's own writes (a mirror of links and an audit hook)
+    isolation: str = "overlay"
+    folders: tuple[Path, ...] = ()  # the user's folders protected besides ``cwd`` (the script's project)
+
+
+OVERLAY, PYTHON = "overlay", "python"
+ISOLATIONS = (OVERLAY, PYTHON)
+
+
+def protected(settings: TrialSettings) -> tuple[Path, ...]:
+    """The folders whose files a trial must leave as they were."""
+    return (settings.cwd, *settings.folders)
+
+
+def _kept(own: Path) -> list[Path]:
+    """What stays the real thing inside the overlays: the search's own folder (where a trial's result is written)
+    and the caches libraries share between runs, written and locked by every run (``SHARED_CACHES``)."""
+    return [own, *(Path(os.path.expanduser(v)) for name in SHARED_CACHES if (v := os.environ.get(name)))]
+
+
+def probe_isolation(folders: Iterable[Path]) -> float:
+    """Seconds an overlay adds to a run's start (a run that does nothing, with and without it); IsolationError
+    with the system's reason where this machine cannot isolate ``folders``."""
+    iso = Isolation.make(folders)
+    try:
+        spec = iso.write(Path(iso.scratch) / "spec.json")
+        bare = [sys.executable, "-I", "-c", "pass"]
+        times = []
+        for cmd in (bare, iso.command(spec, bare)):
+            started = time.perf_counter()
+            done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+            times.append(time.perf_counter() - started)
+            if done.returncode != 0:
+                lines = done.stderr.strip().splitlines()
+                raise IsolationError(0, lines[-1].removeprefix("autotune: ") if lines else f"exit {done.returncode}")
+        return max(0.0, times[1] - times[0])
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise IsolationError(0, str(exc)) from None
+    finally:
+        iso.remove()
 
 
 def mirror(cwd: Path, root: Path, own: Path) -> Path:
@@ -490,13 +532,20 @@ class Runner:
         if tdir.exists():
             shutil.rmtree(tdir)
         tdir.mkdir(parents=True)
-        cmd, cwd, env = self._setup(tdir, config, attrs)
-        started = time.perf_counter()
-        pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start)
-        wall = time.perf_counter() - started
-        out = self._result(tdir, config, role, attrs, (rc, timed_out, hung_at_exit), timeout, wall, pid)
-        shutil.rmtree(tdir, ignore_errors=True)
-        return out
+        iso: Isolation | None = None
+        try:
+            cmd, cwd, env = self._setup(tdir, config, attrs)
+            if self.settings.isolation == OVERLAY:
+                iso = Isolation.make(protected(self.settings), _kept(self.work.resolve()))
+                cmd = iso.command(iso.write(tdir / "isolate.json"), cmd)
+            started = time.perf_counter()
+            pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start)
+            wall = time.perf_counter() - started
+            return self._result(tdir, config, role, attrs, (rc, timed_out, hung_at_exit), timeout, wall, pid)
+        finally:
+            if iso is not None:
+                iso.remove()  # what the trial wrote into your folders goes with it
+            shutil.rmtree(tdir, ignore_errors=True)
 
     def _setup(
         self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None
@@ -511,7 +560,7 @@ class Runner:
         # the trial's working directory is a mirror of the user's: a checkpoint it saves lands here, not on theirs
         own = self.work.resolve()
         cwd = mirror(s.cwd, tdir / "cwd", own)
-        spec.update(mirror=str(tdir / "cwd"), cwd=str(s.cwd.resolve()), own=str(own))
+        spec.update(mirror=str(tdir / "cwd"), cwd=str(s.cwd.resolve()), own=str(own), isolated=s.isolation == OVERLAY)
         if s.launcher:
             spec.update(per_rank=True, pids=str(tdir / "pids"))
         (tdir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
