@@ -78,7 +78,11 @@ def load_yaml(text: str, where: str) -> Any:
     """The document in ``text``, parsed safely; bad YAML, deep nesting or alias bombs are one UsageError."""
     import yaml
 
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)  # its reader refuses a control character (NUL, BEL) here, at once
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise UsageError(f"{where}:{line}: not valid YAML: character {exc.character:#04x} is not allowed") from None
     try:
         node = loader.get_single_node()
         if node is not None and _expanded_size(node) > MAX_YAML_NODES:

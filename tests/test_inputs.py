@@ -119,3 +119,19 @@ def test_cli_refuses_a_billion_laughs_space_in_one_line(tmp_path: Path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"autotune: error: {bomb}: too large once its aliases (*name) are expanded "
                                                f"(over {MAX_YAML_NODES} values)"]
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x07"])
+def test_a_control_character_in_yaml_is_one_line_with_its_line(char):
+    with pytest.raises(UsageError, match=rf"^space.yaml:2: not valid YAML: character {ord(char):#04x} is not allowed$"):
+        load_yaml(f"a: 1\nb: {char}x\n", "space.yaml")
+
+
+def test_cli_refuses_a_nul_in_a_bake_config_in_one_line_writing_nothing(tmp_path: Path):
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(b"knobs:\n  gc.mode: \x00off\n")
+    done = subprocess.run([sys.executable, "-m", "autotune", "bake", str(TINY), "--config", str(config), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [f"autotune: error: {config}:2: not valid YAML: character 0x00 is not allowed"]
+    assert not (tmp_path / "out").exists()
