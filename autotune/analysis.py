@@ -84,6 +84,8 @@ def read_source(path: Path, display: str | None = None, entry: bool = True) -> s
             f"{display}: declares the encoding {declared}; autotune reads and writes UTF-8 scripts only "
             f"(convert it: iconv -f {declared} -t utf-8)"
         )
+    if declared:
+        _check_declared(data, text, declared, display)
     if entry and not text.removeprefix(BOM).strip():
         raise UsageError(f"{display}: is empty")
     return text
@@ -99,6 +101,24 @@ def _declared_encoding(data: bytes, display: str) -> str | None:
             return None  # no coding line, and bytes that are not UTF-8: the decoding says so, with the byte
         raise UsageError(f"{display}: {exc.msg} (Python cannot run it either)") from None
     return None if codecs.lookup(encoding).name in ("utf-8", "utf-8-sig") else encoding
+
+
+def _check_declared(data: bytes, text: str, declared: str, display: str) -> None:
+    """Refuse an ASCII script whose declared codec Python will not read it with (rot13, hex, utf-16, undefined:
+    no ASCII-compatible text encoding), which patch would otherwise write out unrunnable as it found it."""
+    try:
+        with _python_recursion_limit():
+            ast.parse(data, filename=display)
+    except SyntaxError as exc:
+        try:
+            with _python_recursion_limit():
+                ast.parse(text, filename=display)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return  # the text itself does not parse: parse() says where
+        raise UsageError(f"{display}: declares the encoding {declared}, which Python cannot read it with "
+                         f"({exc.msg.splitlines()[0][:120]})") from None
+    except (ValueError, RecursionError, MemoryError):
+        return
 
 
 def _is_notebook(data: bytes) -> bool:

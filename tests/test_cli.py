@@ -36,6 +36,11 @@ BAD_INPUTS = {
     "binary": (b"\x7fELF\x02\x01\x01\x00\x00\x00", "binary"),
     "unknown_coding": ("# -*- coding: foobar -*-\nimport torch\n", "unknown encoding: foobar"),
     "latin1_coding": (b"# coding: latin-1\nname = '\xe9t\xe9'\n", "declares iso-8859-1"),
+    # codecs Python looks up but will not read a script with: no ASCII-compatible text encoding
+    "rot13_coding": ("# coding: rot13\nimport torch\n", "declares the encoding rot13, which Python cannot read it"),
+    "hex_coding": ("# coding: hex\nimport torch\n", "declares the encoding hex, which Python cannot read it"),
+    "utf16_coding": ("# coding: utf-16\nimport torch\n", "declares the encoding utf-16, which Python cannot read"),
+    "undefined_coding": ("# coding: undefined\nimport torch\n", "declares the encoding undefined, which Python"),
     "notebook_as_py": ('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}', "Jupyter notebook"),
 }
 
