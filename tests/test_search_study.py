@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from autotune.search.live import QuietDisplay
 from autotune.search.options import SearchOptions
 from autotune.search.outcome import local_speedups
 from autotune.search.search import Search
-from autotune.search.storage import open_storage
+from autotune.search.storage import StudyDamaged, open_storage
 from autotune.search.study import ROLE_SEARCH, ROLE_YIELDED, StudyStore
 from autotune.search.trial import Outcome, TrialResult
 
@@ -553,3 +554,35 @@ def test_a_record_made_again_after_its_tell_went_through_stores_the_result_once(
     # the database answered with an error after committing: the same record again
     assert store.record(trial, result, 1.0) == trial.number
     assert len(store.study.get_trials()) == 1
+
+
+@pytest.mark.parametrize("stored, message", [
+    ("{not json", r"a trial of study 's' is stored as something that is not JSON \(Expecting property name"),
+    ('"just a string"', r"trial 1 of study 's' holds a result autotune cannot read \(TypeError"),
+    ('{"status": "ok", "config": 5, "step_times": 3}', r"trial 1 of study 's' holds a result autotune cannot read"),
+    ('{"status": "ok", "config": {}, "step_times": ["x"]}', r"holds a result autotune cannot read \(ValueError"),
+])
+def test_a_damaged_stored_result_is_one_line_exit_2_for_report_and_resume(stored, message, tmp_path, capsys):
+    import sqlite3
+
+    script = tmp_path / "train.py"
+    script.write_text(TINY.read_text())
+    search = _search(tmp_path, script=script, args=("--iters", "12"))
+    db = tmp_path / "shared.db"
+    store = _store(search, open_storage(f"sqlite:///{db}"), "a:1", "a (cpu)")
+    base = search.space.baseline()
+    for role in ("baseline", "baseline"):
+        trial = store.ask(base)
+        store.label(trial, role)
+        store.record(trial, _result(base, role=role, number=trial.number), 1.0)
+    con = sqlite3.connect(db)
+    con.execute("update trial_user_attributes set value_json = ? where key = 'result' and trial_id = "
+                "(select trial_id from trials where number = 1)", (stored,))
+    con.commit()
+    con.close()
+    rc = main(["report", "--storage", f"sqlite:///{db}", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and re.search(message, err[0]) and "start another with --study-name" in err[0]
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(StudyDamaged, match=message):  # a search resuming the study reads its results the same way
+        _store(search, open_storage(f"sqlite:///{db}"), "b:1").results()

@@ -38,6 +38,10 @@ class StorageFailed(AutotuneError):
     exit_code = 1
 
 
+class StudyDamaged(AutotuneError):
+    """A stored trial that cannot be read back (not JSON, or not a result's shape): nothing is run or written."""
+
+
 def _transient(exc: BaseException) -> bool:
     """Whether a storage error may pass if the call is made again: the database's, not the caller's."""
     import optuna
@@ -61,6 +65,12 @@ def retrying(fn):
         for attempt in range(1, STORAGE_TRIES + 1):
             try:
                 return fn(self, *args, **kwargs)
+            except json.JSONDecodeError as exc:  # Optuna reads each stored attribute as JSON
+                raise StudyDamaged(
+                    f"{self.storage.description}: a trial of study '{self.name}' is stored as something that is not "
+                    f"JSON ({exc.msg} at character {exc.pos}): the study is damaged; start another with "
+                    "--study-name NAME or --out DIR"
+                ) from None
             except Exception as exc:
                 if not (_transient(exc) or isinstance(exc, OSError)):  # (a journal file's errors are OSErrors)
                     raise

@@ -22,7 +22,8 @@ from typing import Any
 from autotune.errors import UsageError
 from autotune.runtime import pid_alive
 from autotune.search.machine import host_name
-from autotune.search.storage import Storage, _first_line, heartbeat_interval, retrying
+from autotune.inputs import shown
+from autotune.search.storage import Storage, StudyDamaged, _first_line, heartbeat_interval, retrying
 from autotune.search.space import SearchSpace
 from autotune.search.trial import Outcome, TrialResult
 
@@ -194,7 +195,15 @@ class StudyStore:
                 continue
             if t.user_attrs.get(ATTR_ROLE) == ROLE_DUPLICATE or ATTR_RESULT not in t.user_attrs:
                 continue
-            out.append(TrialResult.from_attrs({**t.user_attrs[ATTR_RESULT], "number": t.number}))
+            stored = t.user_attrs[ATTR_RESULT]
+            try:
+                out.append(TrialResult.from_attrs({**stored, "number": t.number}))
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                raise StudyDamaged(
+                    f"{self.storage.description}: trial {t.number} of study '{self.name}' holds a result autotune cannot "
+                    f"read ({type(exc).__name__}: {shown(str(exc))}): the study is damaged; start another with "
+                    "--study-name NAME or --out DIR"
+                ) from None
         return out
 
     @retrying

@@ -137,14 +137,17 @@ class TrialResult:
 
     @classmethod
     def from_attrs(cls, d: Mapping[str, Any]) -> TrialResult:
+        """The result ``to_attrs`` stored; a TypeError or ValueError where ``d`` does not have its shape."""
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
+        if not isinstance(kw.get("config"), Mapping) or not isinstance(kw.get("attrs", {}), Mapping):
+            raise TypeError("its configuration is not a mapping")
         kw["status"] = Outcome(kw["status"])
-        kw["step_times"] = tuple(kw.get("step_times") or ())
-        kw["losses"] = tuple(tuple(row) for row in kw.get("losses") or ())
-        kw["rank_losses"] = tuple(tuple(tuple(row) for row in rows) for rows in kw.get("rank_losses") or ())
+        kw["step_times"] = tuple(float(t) for t in kw.get("step_times") or ())
+        kw["losses"] = tuple(tuple(float(v) for v in row) for row in kw.get("losses") or ())
+        kw["rank_losses"] = tuple(tuple(tuple(float(v) for v in row) for row in rows) for rows in kw.get("rank_losses") or ())
         if kw.get("applied") is not None:
-            kw["applied"] = tuple(kw["applied"])
+            kw["applied"] = tuple(str(a) for a in kw["applied"])
         return cls(**kw)
 
     def with_(self, **changes: Any) -> TrialResult:
