@@ -9,6 +9,7 @@ fake clock.
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -700,6 +701,20 @@ def test_a_budget_the_first_run_alone_exceeds_names_the_budget_not_the_timeout(t
     assert message.startswith("--time-budget 1s ran out before the first baseline run finished")
     assert "--timeout" not in message and "give --time-budget at least 14 times one run's time" in message
     assert [role for _, role, _ in runner.runs] == ["baseline"]
+    assert not (tmp_path / "out").exists()  # refused: the output folder it made and its study.db are gone again
+
+
+@pytest.mark.parametrize("budget, shown", [(1e-300, "1e-300s"), (0.25, "0.25s"), (5.0, "5s")])
+def test_a_refused_budget_is_shown_as_given_and_a_folder_that_was_there_stays(budget, shown, tmp_path, monkeypatch):
+    from autotune.search.budget import BudgetTooSmall
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".autotune-out").write_text("")
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # an earlier search's folder: kept, with what it held
+    search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=budget)
+    with pytest.raises(BudgetTooSmall, match=rf"^--time-budget {re.escape(shown)} ran out before the first baseline"):
+        search.run()
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
 

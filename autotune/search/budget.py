@@ -173,8 +173,9 @@ def _lengths(warmup: int, steps: int) -> list[tuple[int, int]]:
 def first_run_too_long(budget: float, ran_s: float, least: Least) -> BudgetTooSmall:
     """The refusal when the budget ran out before the first baseline run finished: only a bound is known."""
     runs = least.runs + 1
+    shown = f"{budget:.0f}s" if budget >= 1 else f"{budget:.2g}s"  # 1e-300 is not "0s"
     return BudgetTooSmall(
-        f"--time-budget {budget:.0f}s ran out before the first baseline run finished (stopped after {ran_s:.0f}s); "
+        f"--time-budget {shown} ran out before the first baseline run finished (stopped after {ran_s:.0f}s); "
         f"a search needs at least {runs} runs of the script ({least.describe()}), so more than "
         f"{math.ceil(runs * ran_s)}s: give --time-budget at least {runs} times one run's time"
     )

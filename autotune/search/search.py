@@ -104,6 +104,7 @@ class Search:
         self.storage_desc = options.storage or str(self.out / DB_NAME)
         self.mode = "descent"
         self.isolation: str | None = None  # how trials are kept off the user's files, in words (set when it runs)
+        self._refused = False  # the search refused after making its output folder: the folder goes
         self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
         self.results: list[TrialResult] = []
         self.foreign: dict[int | None, list[tuple[str, Any]]] = {}  # study runs left out: trial -> odd knob values
@@ -144,6 +145,8 @@ class Search:
         settings = TrialSettings(tuple(self.o.args), Path.cwd(), self.device, self.o.warmup, self.o.steps, {},
                                  self.launcher, self.o.isolation, (self.project.root,))
         self.isolation = self._isolation(settings)  # before anything is written: a refusal leaves nothing
+        # a folder this search makes (or finds empty) for its own study: where the search refuses, it goes again
+        fresh = self.o.storage is None and (not self.out.exists() or not any(self.out.iterdir()))
         claim_out_dir(self.out)
         lock = OutDirLock(self.out, LOCK_NAME)
         env = dict(self.o.env)
@@ -174,6 +177,9 @@ class Search:
                 stopped = self._explore()
                 self.reserved_s = self._reserve() if math.isfinite(self.deadline) else None
                 confirmations = confirm_candidates(self)
+            except UsageError:  # a refusal (the budget too small for one run, a script too short): nothing written
+                self._refused = fresh
+                raise
             except KeyboardInterrupt:
                 done = len(self.store.results())
                 raise SearchInterrupted(
@@ -190,6 +196,8 @@ class Search:
             else:
                 shutil.rmtree(self.out / WORK_NAME, ignore_errors=True)
             lock.release()
+            if self._refused:
+                shutil.rmtree(self.out, ignore_errors=True)
         self._refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
         winner = next((c for c in confirmations if c.accepted), None)
         return self._outcome(stopped, confirmations, winner, self.machine.key, self.clock() - self.started)
