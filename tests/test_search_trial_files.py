@@ -250,3 +250,17 @@ def test_a_search_says_how_its_trials_are_isolated_and_refuses_where_they_cannot
     assert not (tmp_path / "out").exists()  # refused before anything was written
     words = s._isolation(TrialSettings((), tmp_path, "cpu", 1, 2, isolation=PYTHON))
     assert words.startswith("Python's own writes only (--isolation python)")
+
+
+@pytest.mark.parametrize("isolation", ["overlay", PYTHON])
+def test_an_interpreter_that_cannot_be_executed_is_a_crash_that_says_why(isolation, tmp_path):
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(SAVER)
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o644)  # not executable
+    settings = TrialSettings((), tmp_path, "cpu", 1, 2, launcher=(str(python),), isolation=isolation)
+    result = Runner(run(load_project(script)), tmp_path / "work", settings).run({}, "baseline", timeout=60)
+    assert result.status is Outcome.CRASH
+    assert f"autotune: cannot run {python}: Permission denied" in result.stderr_tail

@@ -594,9 +594,13 @@ class Runner:
         # output goes to files, not pipes: a pipe stays open as long as any orphaned DataLoader worker holds it
         others = {p for p, (ppid, _) in _process_table().items() if ppid == os.getpid()}
         with open(tdir / "stdout.log", "wb") as out, open(tdir / "stderr.log", "wb") as err:
-            proc = subprocess.Popen(
-                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
-            )
+            try:
+                proc = subprocess.Popen(
+                    cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+                )
+            except OSError as exc:  # an interpreter or launcher that cannot be executed: a crash that says why
+                err.write(f"autotune: cannot run {cmd[0]}: {exc.strerror or exc}\n".encode(errors="replace"))
+                return -1, 127, False, False
             try:
                 if on_start is not None:
                     on_start(proc.pid)
