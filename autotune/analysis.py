@@ -138,6 +138,9 @@ def parse(text: str, display: str) -> tuple[cst.Module, ast.Module]:
     try:
         with _python_recursion_limit():
             tree = ast.parse(text, filename=display)
+            # what the parser accepts and the compiler refuses: return, await or yield outside a function, break
+            # outside a loop, nonlocal at module level (Python would not run the script, nor the patched one)
+            compile(tree, display, "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise UnparseableScript(display, exc.lineno or 1, exc.offset or 1, exc.msg) from None
     except (RecursionError, MemoryError):  # what compile() itself says of such a file

@@ -31,6 +31,9 @@ BAD_INPUTS = {
     "missing": (None, "no such file"),
     "directory": ("DIR", "is a directory"),
     "syntax": ("import torch\nfor x in range(3)\n    pass\n", "bad.py:2:"),
+    # parsed, but refused by Python's compiler
+    "return_outside": ("import torch\nreturn 5\n", "bad.py:2:1: 'return' outside function"),
+    "await_outside": ("import torch\nawait torch.load('x')\n", "bad.py:2:1: 'await' outside function"),
     "not_utf8": (b"x = '\xff\xfe'\n", "not UTF-8"),
     "empty": ("", "is empty"),
     "binary": (b"\x7fELF\x02\x01\x01\x00\x00\x00", "binary"),
