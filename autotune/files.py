@@ -29,9 +29,16 @@ def read_only(path: Path) -> bool:
     return not os.access(path, os.W_OK) or not os.stat(path).st_mode & 0o222
 
 
+def refuse_dangling(out: Path) -> None:
+    """Refuse an --out that is a symbolic link to nothing: autotune would make the folder wherever it points."""
+    if out.is_symlink() and not out.exists():
+        raise UsageError(f"{out}: --out is a symbolic link to {os.readlink(out)}, which does not exist; pass a folder")
+
+
 def check_out_dir(out: Path, names: Iterable[str | Path] = ()) -> Path:
     """The resolved output folder, refused (UsageError) unless it is new, empty or made by autotune, and unless
     each of ``names`` can be written in it; nothing is written."""
+    refuse_dangling(out)
     out = out.resolve()
     if out.exists():
         if not out.is_dir():

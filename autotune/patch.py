@@ -674,6 +674,7 @@ def knob_table(knobs: Iterable[Knob], values: Mapping[str, Any] | None = None) -
 def check_out_dir(out: Path, project: Project, names: Iterable[str] = ()) -> Path:
     """The output folder for ``project``'s files and ``names``, refused where writing there could overwrite the
     user's files (the script itself, or a folder autotune did not make) or would fail; nothing is written."""
+    files.refuse_dangling(out)
     resolved = out.resolve()
     root = project.root.resolve()
     rels = [m.path.relative_to(project.root) for m in project.modules]  # as write_files places them

@@ -264,6 +264,20 @@ def test_an_output_replaces_a_link_in_autotunes_folder_never_the_file_it_points_
     assert not (out / "tiny.py").is_symlink() and "_autotune" in (out / "tiny.py").read_text()
 
 
+@pytest.mark.parametrize("command", ["patch", "bake", "search"])
+def test_an_out_that_is_a_dangling_link_is_refused_and_nothing_made_where_it_points(command, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.symlink_to(tmp_path / "elsewhere")
+    config = tmp_path / "c.yaml"
+    config.write_text("knobs: {}\n")
+    extra = {"patch": [], "bake": ["--config", str(config)], "search": ["--time-budget", "60"]}[command]
+    assert main([command, str(TINY), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"autotune: error: {out}: --out is a symbolic link to {tmp_path / 'elsewhere'}, which does not "
+                   "exist; pass a folder"]
+    assert not (tmp_path / "elsewhere").exists() and out.is_symlink()
+
+
 def test_an_output_that_cannot_be_written_midway_is_one_line(tmp_path):
     run = _hooked_cli("patch.diff", "fail", ["patch", str(TINY), "--out", "out"], tmp_path)
     assert run.returncode == 2 and "Traceback" not in run.stderr

@@ -336,8 +336,9 @@ def _cli(argv, capsys):
         ("postgresql://u@host:port/db", "is not a database URL"),
         ("nosuch://x", "cannot open the study storage nosuch://x"),
         ("{tmp}/missing.log", "no such journal file"),
+        ("", "--storage is empty"),  # not taken for the default
     ],
-    ids=["refused", "bad-url", "unknown-dialect", "no-journal"],
+    ids=["refused", "bad-url", "unknown-dialect", "no-journal", "empty"],
 )
 @pytest.mark.parametrize("command", ["search", "report"])
 def test_bad_storage_is_one_line_and_exit_2_and_writes_nothing(command, storage, message, tmp_path, capsys):

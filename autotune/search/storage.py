@@ -153,7 +153,10 @@ def heartbeat_interval() -> int:
 
 
 def storage_url(given: str | None) -> str | None:
-    """The storage named by ``--storage``, else by ``AUTOTUNE_STORAGE`` (which ``ps`` does not show), else None."""
+    """The storage named by ``--storage``, else by ``AUTOTUNE_STORAGE`` (which ``ps`` does not show), else None;
+    an empty one given is refused, not taken for the default."""
+    if given is not None and not given.strip():
+        raise UsageError("--storage is empty: give a database URL or a file, or leave --storage out for DIR/study.db")
     return given or os.environ.get(STORAGE_ENV) or None
 
 
