@@ -517,12 +517,26 @@ def test_knob_values_read_from_a_study_are_shown_as_code_and_odd_ones_are_named_
     trial.set_user_attr(ATTR_ROLE, "search")
     trial.set_user_attr(ATTR_RESULT, result)
     study.tell(trial, 100.0)
+    odd_number = trial.number
+
+    # a failed run whose machine, error and note were forged: shown as the characters they hold, on one line
+    forged = {**fast.user_attrs[ATTR_RESULT], "status": "crash", "step_times": [], "machine": "",
+              "host": "evil\n# owned <img src=x onerror=alert(1)>", "error": "boom\n## [click](javascript:x) <b>e</b>",
+              "attrs": {"why": "note `x` *y*\n# h"}}
+    trial = study.ask()
+    trial.set_user_attr(ATTR_ROLE, "search")
+    trial.set_user_attr(ATTR_RESULT, forged)
+    study.tell(trial, 0.0)
 
     assert main(["report", "--storage", str(db), "--out", str(tmp_path / "again")]) == 0
     report = (tmp_path / "again" / "report.md").read_text()
-    assert f"#{trial.number}: `gc.freeze` = ```{odd!r}```" in report and "not one of that knob's choices" in report
+    assert f"#{odd_number}: `gc.freeze` = ```{odd!r}```" in report and "not one of that knob's choices" in report
     assert report.count("<b>z</b>") == 1  # only inside that code span: the run is not in the tables
-    assert "\n# heading" not in report
+    assert "\n# heading" not in report and "\n# owned" not in report and "\n## [click" not in report
+    assert "\n# h" not in report
+    assert "<img" not in report and "<b>e</b>" not in report and "[click](" not in report  # escaped: no link
+    assert "evil # owned &lt;img src=x onerror=alert(1)&gt;" in report
+    assert "boom ## \\[click\\](javascript:x) &lt;b&gt;e&lt;/b&gt;" in report
     doc = yaml.safe_load((tmp_path / "again" / "autotune.yaml").read_text())
     assert doc["knobs"]["gc.freeze"] in (False, True)  # the odd run was not chosen
 

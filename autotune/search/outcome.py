@@ -95,6 +95,7 @@ class SearchOutcome:
     fit_note: str | None = None  # how fitting the budget shortened the runs
     # runs of the study left out because a knob value stored with them is not one of its choices: trial -> values
     foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
+    isolation: str | None = None  # how the trials were kept off the user's files (None: reported from a study)
 
     @property
     def noisy(self) -> str | None:

@@ -213,6 +213,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _plain(text: Any) -> str:
+    """Text that may come from a study others write to (a machine's name, an error, a run's note) shown as the
+    characters it holds: on one line, no HTML, no link, no code span (``_cell`` still escapes ``|`` in a table)."""
+    text = " ".join(str(text).splitlines())
+    for char, shown in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("[", "\\["), ("]", "\\]"), ("`", "\\`"),
+                        ("*", "\\*"), ("_", "\\_")):
+        text = text.replace(char, shown)
+    return text
+
+
 def _code(value: Any) -> str:
     """``value`` as a Markdown code span, whatever it holds (values can come from a study others write to): a run of
     backticks inside cannot end it, a line break cannot start a new block, and nothing in it is read as Markdown or
@@ -261,7 +271,7 @@ def _verdict_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
         if o.startup:
             lines.append(f"It has a one-time cost: {o.startup}.")
     else:
-        lines.append(f"**The baseline wins:** {doc['verdict'].removeprefix('the baseline wins: ')}. "
+        lines.append(f"**The baseline wins:** {_plain(doc['verdict'].removeprefix('the baseline wins: '))}. "
                      "The tuned script is the original, unchanged.")
     if o.noisy:
         lines += ["", f"> **Warning:** {o.noisy}."]
@@ -280,9 +290,10 @@ def _about_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
             + (f" --launcher {shlex.quote(o.options.launcher)}" if o.options.launcher else "")
             + (f" -- {shlex.join(o.options.args)}" if o.options.args else "")
         ),
-        "- Files: each run ran in a mirror of the working directory; what it wrote there (checkpoints, logs) went "
-        "into the run's own folder and was deleted with it, and your files were only read",
-        f"- Machine: {o.machine} ({o.device}); torch {doc['versions']['torch']}, Python {doc['versions']['python']}",
+        "- Files: " + (f"{_plain(o.isolation)}; what a run wrote there (checkpoints, logs) was deleted with it"
+                       if o.isolation else "each run ran in a folder of its own (how it was kept off your files is "
+                       "said by the search that ran it)"),
+        f"- Machine: {_plain(o.machine)} ({o.device}); torch {doc['versions']['torch']}, Python {doc['versions']['python']}",
         f"- Throughput: baseline {_fmt(thr['baseline']['steps_per_s'])} steps/s, tuned "
         f"{_fmt(thr['tuned']['steps_per_s'])} steps/s"
         + (
@@ -325,10 +336,10 @@ def _about_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
             "again, and not listed below"
         )
     if len(o.machines) > 1:
-        runs = ", ".join(f"{m} ({n} runs)" for m, n in doc["search"]["machines"].items())
+        runs = ", ".join(f"{_plain(m)} ({n} runs)" for m, n in doc["search"]["machines"].items())
         lines.append(
             f"- Machines: {runs}. Each run is compared only with baseline runs of its own machine (speedups, loss "
-            f"gate, noise); the throughputs, noise and confirmation above are those of {o.machine}"
+            f"gate, noise); the throughputs, noise and confirmation above are those of {_plain(o.machine)}"
         )
     return lines
 
@@ -391,8 +402,8 @@ def _trial_lines(o: SearchOutcome) -> list[str]:
                     dev_text(r) + (f" (tol {r.tolerance:.1e})" if r.tolerance else ""),
                     mib(r.peak_memory),
                     f"{r.load:.1f}" if r.load is not None else "-",
-                    note,
-                    *((r.machine,) if several else ()),
+                    _plain(note),
+                    *((_plain(r.machine),) if several else ()),
                 )
             )
             + " |"
@@ -416,8 +427,8 @@ def _confirmation_lines(o: SearchOutcome) -> list[str]:
             ratios = ", ".join(f"{x:.3f}" for x in c.ratios) or "-"
             lines.append(
                 f"| {_cell(_code(changed_text(c.config, defaults)))} | {speed_text(c.search_speedup)} | {ratios} | "
-                f"{'accepted' if c.accepted else 'rejected'}: {_cell(c.reason)} |"
-                + (f" {_cell(c.machine)} |" if several else "")
+                f"{'accepted' if c.accepted else 'rejected'}: {_cell(_plain(c.reason))} |"
+                + (f" {_cell(_plain(c.machine))} |" if several else "")
             )
     return lines
 

@@ -241,6 +241,7 @@ class Search:
             speedups={**local_speedups(results), **{r.number: r.speedup for r in results if r.speedup and r.measured}},
             machine=machine,
             from_study=from_study,
+            isolation=self.isolation,
             plan=self.plan,
             labels={r.number: label(self.programs.canonical(r.config), self.space) for r in results if r.number is not None},
             interactions=knob_worth(self.view(), self.space, winner.config) if winner else (),
