@@ -1104,3 +1104,15 @@ def test_a_bisection_the_time_left_does_not_cover_leaves_compilation_out_and_sti
     assert plan.incumbent["autocast.dtype"] == "bf16" and plan.incumbent["sdpa.attention"] == "sdpa"
     text = "\n".join(s.text for s in plan.path)
     assert "compile.mode=default left out of the start: the time left does not cover bisecting with it" in text
+
+
+def test_a_search_that_stops_before_any_candidate_passed_says_what_the_next_one_needs(tmp_path, monkeypatch):
+    """Not "the last 108s were kept to confirm a candidate": none ran and passed, so that time had no use."""
+    search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=140)
+    runner.compile_s = 300.0
+    out = search.run()
+    assert [role for _, role, _ in runner.runs] == ["baseline", "baseline", "perturbed", "search"]
+    assert re.fullmatch(r"time budget reached before any candidate ran and passed the loss gate \(1 tried: diverged\): "
+                        r"the next one needs about \d+s with its confirmation, and \d+s were left after \d+s; give "
+                        r"--time-budget \d+ or more", out.stopped), out.stopped
+    assert out.winner is None

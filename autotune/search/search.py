@@ -743,7 +743,7 @@ class Search:
             if self._time_left() < RUN_MARGIN * cost + self._reserve_now:
                 if self._repeat():
                     continue
-                return self._out_of_time()
+                return self._out_of_time(need=RUN_MARGIN * cost + self._reserve_now)
             since = 0
             for r in reversed(self.results):  # this machine's search trials since its last baseline run
                 if r.machine != self.machine.key:
@@ -787,12 +787,22 @@ class Search:
         plan = self.plan
         return plan is not None and self.programs.program(plan.incumbent) == self.programs.program(self.space.baseline())
 
-    def _out_of_time(self, untried: str = "") -> str:
+    def _out_of_time(self, untried: str = "", need: float | None = None) -> str:
         said = f" ({untried})" if untried else ""
+        left = max(self._time_left(), 0)
+        tried = [r for r in self.results if r.role == ROLE_SEARCH and r.machine == self.machine.key]
+        if need is not None and self.o.budget and not any(r.status is Outcome.OK for r in tried):  # what one needs
+            used = self.clock() - self.started
+            failed = f" ({len(tried)} tried: {', '.join(sorted({str(r.status) for r in tried}))})" if tried else ""
+            return (
+                f"time budget reached before any candidate ran and passed the loss gate{failed}: the next one needs "
+                f"about {need:.0f}s with its confirmation, and {left:.0f}s were left after {used:.0f}s; give "
+                f"--time-budget {math.ceil((used + need) * 1.1 / 10) * 10:.0f} or more"
+            )
         if self.candidates() and not self._nothing_to_confirm():
             return f"time budget reached{said}: the rest is set aside for confirmation"
         return (
-            f"time budget reached{said}: the last {max(self._time_left(), 0):.0f}s were kept to confirm a candidate, "
+            f"time budget reached{said}: the last {left:.0f}s were kept to confirm a candidate, "
             "and none was faster than the baseline"
         )
 
