@@ -38,7 +38,10 @@ def _pids(folder: Path) -> list[int]:
 
 
 def _runner(tmp_path: Path, pids: Path, *extra: str) -> Runner:
-    settings = TrialSettings(("--pids", str(pids), *extra), tmp_path, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": ""})
+    # the trial works in a folder of its own: what it writes under its working directory never leaves its overlay
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    settings = TrialSettings(("--pids", str(pids), *extra), run_dir, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": ""})
     return Runner(run(load_project(ORPHANS), select()), tmp_path / "work", settings)
 
 
@@ -88,7 +91,8 @@ def test_a_search_leaves_no_process_of_its_trials_behind(tmp_path, pids):
     cmd = ["search", ORPHANS, "--out", tmp_path / "out", "--space", space, "--device", "cpu", "--steps", "4",
            "--warmup", "1", "--confirm", "5", "--", "--pids", pids]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "autotune", *map(str, cmd)], cwd=tmp_path, env=env,
+    (tmp_path / "run").mkdir()  # the search's working directory, whose trials see it as an overlay (not pids)
+    done = subprocess.run([sys.executable, "-m", "autotune", *map(str, cmd)], cwd=tmp_path / "run", env=env,
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
     left = _pids(pids)
