@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -264,3 +265,22 @@ def test_an_interpreter_that_cannot_be_executed_is_a_crash_that_says_why(isolati
     result = Runner(run(load_project(script)), tmp_path / "work", settings).run({}, "baseline", timeout=60)
     assert result.status is Outcome.CRASH
     assert f"autotune: cannot run {python}: Permission denied" in result.stderr_tail
+
+
+@pytest.mark.slow
+def test_a_whole_search_leaves_the_users_folder_byte_identical(tmp_path, monkeypatch):
+    """The reliability battery's reproduction, `autotune search train.py --trials 1`, on a script whose loop writes
+    below Python in six ways; the folder holds the script itself, as a user's does."""
+    import subprocess
+    import sys
+
+    user = _below_python_folder(tmp_path / "user")
+    (user / "train.py").write_text(BELOW_PYTHON)
+    before = _snapshot(user)
+    env = {**os.environ, "USER_DIR": str(user), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "autotune", "search", "train.py", "--trials", "1", "--out",
+                           str(tmp_path / "out"), "--steps", "2", "--warmup", "1"], cwd=user, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"your files: each run sees {user} as an overlay in a private mount namespace" in " ".join(done.stdout.split())
+    assert _snapshot(user) == before
