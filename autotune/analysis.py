@@ -138,18 +138,63 @@ def parse(text: str, display: str) -> tuple[cst.Module, ast.Module]:
     try:
         with _python_recursion_limit():
             tree = ast.parse(text, filename=display)
-            # what the parser accepts and the compiler refuses: return, await or yield outside a function, break
-            # outside a loop, nonlocal at module level (Python would not run the script, nor the patched one)
-            compile(tree, display, "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise UnparseableScript(display, exc.lineno or 1, exc.offset or 1, exc.msg) from None
     except (RecursionError, MemoryError):  # what compile() itself says of such a file
         raise UnparseableScript(display, 1, 1, "nested too deeply (Python cannot compile it either)") from None
+    refused = _compiler_refuses(tree)
+    if refused is not None:
+        raise UnparseableScript(display, *refused)
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:  # pragma: no cover - ast accepted it, so libcst rarely refuses
         raise UnparseableScript(display, exc.raw_line, exc.raw_column + 1, exc.message) from None
     return module, tree
+
+
+def _compiler_refuses(tree: ast.Module) -> tuple[int, int, str] | None:
+    """What Python's parser accepts and its compiler refuses (line, column, its message): return, yield or await
+    outside a function, await or async for/with outside an async one, break or continue outside a loop, nonlocal at
+    module level. Python would run neither the script nor a patched copy; walked without recursion, so any depth
+    the parser takes is fine (compiling the tree again recurses, and costs about half a parse)."""
+    FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    stack: list[tuple[ast.AST, str | None, bool]] = [(tree, None, False)]  # node, the function kind around, in a loop
+    while stack:
+        node, func, loop = stack.pop()
+        where = (getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1)
+        if isinstance(node, ast.Return) and func is None:
+            return (*where, "'return' outside function")
+        if isinstance(node, (ast.Yield, ast.YieldFrom)) and func is None:
+            return (*where, "'yield' outside function")
+        if isinstance(node, (ast.Await, ast.AsyncFor, ast.AsyncWith)) and func != "async":
+            what = "'await'" if isinstance(node, ast.Await) else f"'async {'for' if isinstance(node, ast.AsyncFor) else 'with'}'"
+            return (*where, f"{what} outside {'async ' if func else ''}function")
+        if isinstance(node, (ast.Break, ast.Continue)) and not loop:
+            return (*where, f"'{'break' if isinstance(node, ast.Break) else 'continue'}' outside loop")
+        if isinstance(node, ast.Nonlocal) and func is None:
+            return (*where, "nonlocal declaration not allowed at module level")
+        if isinstance(node, FUNCS):
+            inner = ("async" if isinstance(node, ast.AsyncFunctionDef) else "sync"), False
+            stack.extend((d, func, loop) for d in (*node.args.defaults, *node.args.kw_defaults,
+                                                   *getattr(node, "decorator_list", ())) if d is not None)
+            body = node.body if isinstance(node.body, list) else [node.body]
+            stack.extend((child, *inner) for child in body)
+            continue
+        if isinstance(node, ast.ClassDef):
+            stack.extend((child, None, False) for child in node.body)
+            stack.extend((d, func, loop) for d in (*node.decorator_list, *node.bases, *node.keywords))
+            continue
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            stack.extend((child, func, True) for child in node.body)
+            stack.extend((child, func, loop) for child in (*node.orelse, getattr(node, "iter", None) or node.test)
+                         if child is not None)
+            continue
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            # a comprehension is a function of its own, but await in one follows the function around it
+            stack.extend((child, func or "comp", loop) for child in ast.iter_child_nodes(node))
+            continue
+        stack.extend((child, func, loop) for child in ast.iter_child_nodes(node))
+    return None
 
 
 # --- room to recurse ---------------------------------------------------------------------------------------
