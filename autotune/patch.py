@@ -15,7 +15,7 @@ import libcst as cst
 
 from autotune.analysis import RUNTIME_ALIAS, RUNTIME_MODULE, ModuleFacts, deep, no_gc, source_lines
 from autotune.project import Project, StepScope, TrainingLoop, load_project, loss_expr
-from autotune import files
+from autotune import files, run_length
 from autotune.bound import is_bound, statement_binds, statement_reads, unbound
 from autotune.errors import UsageError
 from autotune.knobs import Knob
@@ -309,6 +309,13 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
         if hidden:
             batch = _batch_name(loop) if counted else _micro_batch_name(facts, loop, scope)
             _accumulate_hooks(facts, scope, edits, batch)
+        if loop.module is facts and not any(facts.is_runtime_call(c, "loop_length") for c in facts.calls):
+            name = facts.path.relative_to(project.root).as_posix()
+            group = f"{name}:{facts.position(loop.node)[0]}"
+            for node, code, text, of in run_length.markers(facts, loop, name):
+                line = run_length.length_marker(edits.runtime("loop_length"), code, text, group, of,
+                                                counted and node is loop.node)
+                edits.insert_before(node, stmt(line))
 
 
 def _framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:

@@ -126,6 +126,8 @@ class TrainingLoop:
     node: cst.For | cst.While  # the innermost such loop: one iteration per step
     outer: cst.For | cst.While  # the outermost such loop in the same function (epochs around steps)
     scopes: tuple[StepScope, ...]
+    # loops of other functions that call the one holding ``outer`` (a trainer's epoch loop calling _run_epoch())
+    callers: tuple[tuple[ModuleFacts, cst.For | cst.While], ...] = ()
 
 
 @dataclass(eq=False)
@@ -533,4 +535,7 @@ def _find_loops(project: Project) -> None:
             if other_facts is facts and facts.contains(other, loop) and facts.function_of(other) is facts.function_of(loop):
                 if facts.contains(other, outer):
                     outer = other
-        project.loops.append(TrainingLoop(facts, loop, outer, scopes))
+        home = facts.function_of(outer)
+        callers = tuple((f, other) for f, other, _ in candidates
+                        if home is not None and home in reached[other] and f.function_of(other) is not home)
+        project.loops.append(TrainingLoop(facts, loop, outer, scopes, callers))

@@ -111,6 +111,13 @@ class _Trial:
         self.written = False
         self.first_step_at: float | None = None
         self.window_start: float | None = None
+        # the run's length, read as it starts: each loop around the step (group -> text -> length), how many loops
+        # each group has, iterations of the innermost loop per optimizer step, or the framework's own count
+        self.loops: dict[str, dict[str, int | None]] = {}
+        self.loops_of: dict[str, int] = {}
+        self.per_step: list[int] = []
+        self.counted = False  # the innermost loop steps every few iterations (accumulation): per_step counts them
+        self.length: tuple[int | None, str] | None = None  # (optimizer steps, where from) once known or refused
         if self.warmup <= 0:  # no warm-up: the window opens now
             self.window_start = self.started
             self.stamps.append(self.started)
@@ -129,6 +136,8 @@ class _Trial:
         """``samples``: how many the optimizer step trained on, where a framework hook counted its micro-batches
         (else the first dimension of ``batch``, the step's last micro-batch)."""
         self.count += 1
+        if self.counted:
+            self.per_step.append(max(len(self.pending), 1))
         if samples is None and self.pending_samples and None not in self.pending_samples:
             samples = sum(self.pending_samples)  # a loop of the script's own: each micro-batch counted
         self.pending_samples = []
@@ -155,6 +164,27 @@ class _Trial:
             self.write("ok")
             _end_process_group()
             raise TrialComplete()
+
+    def run_length(self) -> tuple[int | None, str]:
+        """The optimizer steps the user's whole run takes and where that comes from (None and why, where unknown):
+        the framework's own count, else the lengths of the loops around the step as they started."""
+        if self.length is not None:
+            return self.length
+        for group, lengths in self.loops.items():
+            if len(lengths) < self.loops_of.get(group, 0):
+                continue  # a loop around the step did not start (yet): its length is not known
+            unknown = [text for text, n in lengths.items() if n is None]
+            if unknown:
+                return None, f"{unknown[0]} has no length"
+            *outer, (inner_text, inner) = lengths.items()
+            micro = round(sorted(self.per_step)[len(self.per_step) // 2]) if self.counted and self.per_step else 1
+            steps = -(-inner // micro)  # a last, shorter step at each pass's end (ceil)
+            for _, n in outer:
+                steps *= n
+            parts = [f"{text} {n}" for text, n in outer] + [f"{inner_text} {inner}"]
+            how = " x ".join(parts) + (f", {micro} iterations a step" if micro > 1 else "")
+            return steps, f"{how}, read as the loops started"
+        return None, "no loop around the step said its length"
 
     def _loss_values(self) -> list[list[float]]:
         out = []
@@ -209,6 +239,8 @@ class _Trial:
             "error": error,
             "error_type": error_type,
             "error_types": list(error_types),  # qualified names along the exception's MRO: oom, compile errors
+            "run_steps": self.run_length()[0],  # the optimizer steps of the user's whole run, where they were read
+            "run_steps_from": self.run_length()[1],
             "applied": applied(),  # knobs that took effect: see took_effect
             "rank": self.rank,
             "local_rank": self.local_rank,
@@ -465,6 +497,7 @@ def step(*losses: Any, batch: Any = None, samples: int | None = None) -> None:
             _trial.step(losses, batch, samples)
             return
         count, sync = accumulating
+        _trial.counted = True  # the loop's iterations per optimizer step are Accelerate's micro-batches
         _trial.accumulate(tuple(loss / count for loss in losses), batch)
         if sync:
             _trial.step((), None, samples)
@@ -479,6 +512,25 @@ def _accelerate_accumulation() -> tuple[int, bool] | None:
     gradient_state = state()
     count = gradient_state.num_steps
     return (count, bool(gradient_state.sync_gradients)) if isinstance(count, int) and count > 1 else None
+
+
+def loop_length(length: Callable[[], Any] | None, text: str, group: str, of: int, counted: bool = False) -> None:
+    """Called by patched scripts just before each loop around a training step starts: ``length()`` gives what the
+    loop iterates over (``range(epochs)``, the DataLoader), whose len() the trial records the first time; ``of``: how
+    many loops ``group`` has; ``counted``: this innermost loop steps every few iterations. ``length`` None: the run's
+    length cannot be read, ``text`` says why. Does nothing outside a trial (``length`` is never called there)."""
+    if _trial is None or _trial.length is not None or text in _trial.loops.get(group, {}):
+        return
+    if length is None:
+        _trial.length = (None, text)
+        return
+    try:
+        n = len(length())
+    except Exception:  # an iterable of no known length (a generator, an IterableDataset's loader)
+        n = None
+    _trial.loops.setdefault(group, {})[text] = n
+    _trial.loops_of[group] = of
+    _trial.counted = _trial.counted or counted
 
 
 def framework_trial(trainer: Any) -> None:
@@ -512,6 +564,12 @@ def _hf_trial(trainer: Any) -> None:
         return loss
 
     class StepEnd(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if _trial is not None and isinstance(state.max_steps, int) and state.max_steps > 0:
+                how = (f"max_steps={args.max_steps}" if args.max_steps and args.max_steps > 0
+                       else f"{args.num_train_epochs:g} epochs")
+                _trial.length = (state.max_steps, f"the Trainer's state.max_steps ({how})")
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             samples = sum(sizes) if sizes and None not in sizes else None
             sizes.clear()
@@ -538,6 +596,13 @@ def _lightning_trial(trainer: Any) -> None:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             lightning_trainer_resolved(trainer)  # noqa: F405 - the transform's helper
             self.steps = trainer.global_step
+            try:
+                total = trainer.estimated_stepping_batches
+            except Exception:  # a loader of no known length
+                total = None
+            if _trial is not None and isinstance(total, (int, float)) and 0 < total < float("inf"):
+                _trial.length = (int(total), f"Lightning's estimated_stepping_batches (max_epochs={trainer.max_epochs}, "
+                                             f"max_steps={trainer.max_steps})")
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

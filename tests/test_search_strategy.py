@@ -1116,3 +1116,32 @@ def test_a_search_that_stops_before_any_candidate_passed_says_what_the_next_one_
                         r"the next one needs about \d+s with its confirmation, and \d+s were left after \d+s; give "
                         r"--time-budget \d+ or more", out.stopped), out.stopped
     assert out.winner is None
+
+
+class LengthRunner(FakeRunner):
+    """Every run also reads the user's run's length, as a patched script's loops tell it."""
+
+    run_steps = 30
+
+    def run(self, config, role, timeout, on_start=None, attrs=None):
+        return super().run(config, role, timeout, on_start, attrs).with_(
+            run_steps=self.run_steps, run_steps_from=f"range(epochs) 1 x len(loader) {self.run_steps}, read as the loops started")
+
+
+@pytest.mark.parametrize("run_steps, compiles", [(30, False), (100_000, True)])
+def test_the_run_length_a_trial_reads_ranks_by_the_whole_run_and_compile_stays_only_where_it_pays(
+        run_steps, compiles, tmp_path, monkeypatch):
+    """30 steps never pay back 20 s of compile at 0.3 s saved a step; 100,000 do, and compile stays in the winner."""
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=1500)
+    runner = LengthRunner(clock)
+    runner.run_steps = run_steps
+    search.runner_factory = lambda *a, **k: runner
+    out = search.run()
+    assert search.train_steps == run_steps
+    assert out.run_length == (f"your run: {run_steps} optimizer steps (range(epochs) 1 x len(loader) {run_steps}, read "
+                              "as the loops started), ranked by its whole time, compile included")
+    assert (out.chosen["compile.mode"] != "none") is compiles
+    from autotune.search.report import summary_doc
+
+    assert summary_doc(out, "0" * 64, {})["objective"] == out.run_length  # autotune.yaml says what was ranked by

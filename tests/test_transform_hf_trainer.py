@@ -149,6 +149,7 @@ def test_a_trial_times_the_trainers_steps_and_keeps_each_steps_loss(tmp_path):
     micro = [torch.tensor(float.fromhex(h)) for h in original]
     assert result["losses"] == [[(a + b + c + d).item()] for a, b, c, d in zip(*[iter(micro)] * 4)]
     assert result["batch_size"] == 8  # samples per optimizer step: 4 micro-batches of 2
+    assert result["run_steps"] == 40 and result["run_steps_from"].startswith("the Trainer's state.max_steps (")
 
 
 def test_a_step_of_gradient_accumulation_records_the_sum_of_its_micro_steps(tmp_path):

@@ -65,6 +65,8 @@ def test_a_trial_counts_optimizer_steps_and_sums_the_losses_of_their_micro_batch
     result = trial(_patched_script(tmp_path), args, tmp_path, warmup=1, steps=2)
     assert result["status"] == "ok" and result["steps_done"] == 3, result["error"]
     assert result["batch_size"] == 64  # the samples of an optimizer step: 2 micro-batches of 32
+    # --max-steps 12 bounds the run: Lightning's own count of its optimizer steps
+    assert result["run_steps"] == 12 and result["run_steps_from"].startswith("Lightning's estimated_stepping_batches (")
     # backward() saw each micro-batch's loss divided by 2, as Lightning divides it; a step's loss is their sum
     micro = [torch.tensor(float.fromhex(h)) for h in original]
     assert result["losses"] == [[(a + b).item()] for a, b in zip(micro[::2], micro[1::2])]

@@ -126,6 +126,9 @@ class SearchDisplay:
             soft_wrap=True,
         )
         self.console.print(f"  knobs: {knobs}", markup=False, soft_wrap=True)
+        found = search.run_length_note() if not o.train_steps else None
+        if found:  # a study resumed: its first baseline run read the run's length
+            self.console.print(f"  {found}", markup=False, soft_wrap=True)
         start = label(search.strategy.start, space)
         self.console.print(f"  starts from: {start}", markup=False, soft_wrap=True)
         if o.launcher:

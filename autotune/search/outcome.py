@@ -96,6 +96,7 @@ class SearchOutcome:
     # runs of the study left out because a knob value stored with them is not one of its choices: trial -> values
     foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
     isolation: str | None = None  # how the trials were kept off the user's files (None: reported from a study)
+    run_length: str | None = None  # what the search ranked by: the user's whole run (its length, where from), or why not
 
     @property
     def noisy(self) -> str | None:

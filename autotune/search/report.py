@@ -109,6 +109,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
             "confidence": _confidence(win or best),
             "warning": o.noisy,
             "startup": o.startup,
+            "objective": o.run_length or "steady-state speed",
             "max_loss_deviation": _r(max_dev, 3),
             "loss_tolerance": _r(tol, 3),
             "noise": {
@@ -301,6 +302,7 @@ def _about_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
             if thr["baseline"]["samples_per_s"]
             else ""
         ),
+        *([f"- Objective: {_plain(o.run_length)}"] if o.run_length else []),
         f"- Noise: {o.noise.runs} baseline runs; step time spread {_pct(o.noise.time)} between them; losses "
         + (
             "bit-identical run to run"

@@ -105,6 +105,7 @@ class Search:
         self.mode = "descent"
         self.isolation: str | None = None  # how trials are kept off the user's files, in words (set when it runs)
         self._refused = False  # the search refused after making its output folder: the folder goes
+        self._length_run: TrialResult | None = None  # the baseline run that read the user's run's length
         self.machine: Machine | None = None  # where this worker runs trials (set when it starts)
         self.results: list[TrialResult] = []
         self.foreign: dict[int | None, list[tuple[str, Any]]] = {}  # study runs left out: trial -> odd knob values
@@ -245,7 +246,8 @@ class Search:
             plan=self.plan,
             labels={r.number: label(self.programs.canonical(r.config), self.space) for r in results if r.number is not None},
             interactions=knob_worth(self.view(), self.space, winner.config) if winner else (),
-            startup=startup(winner, self._compiles(winner.config), self.o.warmup, self.o.train_steps) if winner else None,
+            startup=startup(winner, self._compiles(winner.config), self.o.warmup, self.train_steps) if winner else None,
+            run_length=self.run_length_note(),
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
             foreign=dict(self.foreign),
@@ -558,9 +560,41 @@ class Search:
 
     def _speed(self, r: TrialResult) -> float:
         """Steps per second, or with --train-steps N, 1 / (start-up + N steps)."""
-        if not self.o.train_steps:
+        steps = self.train_steps
+        if not steps:
             return r.throughput or 0.0
-        return 1.0 / train_time(r, self.o.train_steps, self.o.warmup)
+        return 1.0 / train_time(r, steps, self.o.warmup)
+
+    @property
+    def train_steps(self) -> int | None:
+        """The length of the user's whole run in optimizer steps: --train-steps, else as the first baseline run on
+        this machine read it (the framework's own count, the loops' lengths as they started); None: unknown."""
+        if self.o.train_steps:
+            return self.o.train_steps
+        found = self._found_length()
+        return found.run_steps if found is not None else None
+
+    def _found_length(self) -> TrialResult | None:
+        """The first baseline run on this machine that said how long the user's run is (or why it cannot)."""
+        if self._length_run is None:
+            key = self.machine.key if self.machine is not None else None  # (autotune report: any machine's)
+            self._length_run = next((r for r in self.results if is_baseline_run(r) and key in (None, r.machine)
+                                     and r.run_steps_from is not None), None)
+        return self._length_run
+
+    def run_length_note(self) -> str | None:
+        """What the search ranked by, in words: the user's whole run (its length and where it comes from) or
+        steady-state speed (and why)."""
+        if self.o.train_steps:
+            return f"your run: {self.o.train_steps} optimizer steps (--train-steps), ranked by its whole time, compile included"
+        found = self._found_length()
+        if found is None:
+            return None
+        if found.run_steps is None:
+            return (f"your run's length is not known ({found.run_steps_from}): ranked by steady-state speed; "
+                    "--train-steps N ranks by the time of an N-step run, compile included")
+        return (f"your run: {found.run_steps} optimizer steps ({found.run_steps_from}), ranked by its whole time, "
+                "compile included")
 
     # running one trial
 
@@ -625,6 +659,8 @@ class Search:
         if number != trial.number:
             result = self.results[-1] = result.with_(number=number)
         self.display.trial_finished(result, result.speedup)
+        if first and self._length_run is None and self._found_length() is not None and not self.o.train_steps:
+            self.display.note(self.run_length_note())  # read by the first run: every value after it uses it
         self._count_overhead(result)
         self._watch_noise(result)
         if first and result.status is not Outcome.OK:

@@ -92,6 +92,10 @@ class TrialResult:
     # the knobs whose code ran with a non-default value (runtime.took_effect); None where the run did not say
     applied: tuple[str, ...] | None = None
     load: float | None = None  # the machine's 1-minute load average when the run ended (this run's own work included)
+    # the optimizer steps of the user's whole run as the run read them (the framework's count, the loops' lengths),
+    # and where from; None with the reason where it could not be read
+    run_steps: int | None = None
+    run_steps_from: str | None = None
 
     @property
     def machine(self) -> str:
@@ -661,6 +665,8 @@ class Runner:
             rank_losses=tuple(tuple(tuple(row) for row in rows) for rows in r.get("rank_losses") or ()),
             applied=tuple(r["applied"]) if r.get("applied") is not None else None,
             load=load_average(),
+            run_steps=int(r["run_steps"]) if isinstance(r.get("run_steps"), int) else None,
+            run_steps_from=str(r["run_steps_from"]) if r.get("run_steps_from") is not None else None,
         )
         return out
 

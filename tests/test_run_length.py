@@ -1,0 +1,157 @@
+"""The user's whole run: the loops around the training step tell a trial their lengths as they start."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autotune.patch import run
+from autotune.project import load_project
+from autotune.search.trial import Outcome, Runner, TrialSettings
+
+HEAD = '''
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
+
+torch.manual_seed(0)
+loader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+epochs = 3
+'''
+
+NESTED = HEAD + '''
+for epoch in range(epochs):
+    for step, (x, y) in enumerate(loader):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+'''
+
+ACCUMULATED = HEAD + '''
+accum = 4
+for epoch in range(1, epochs + 1):
+    for i, (x, y) in enumerate(tqdm(loader, desc="train")):
+        loss = torch.nn.functional.mse_loss(model(x), y) / accum
+        loss.backward()
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad()
+'''
+
+TRAINER = HEAD + '''
+class Trainer:
+    def __init__(self, model, loader):
+        self.model, self.loader = model, loader
+
+    def _run_epoch(self):
+        for x, y in self.loader:
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def train(self, max_epochs):
+        for epoch in range(max_epochs):
+            self._run_epoch()
+
+
+Trainer(model, loader).train(epochs)
+'''
+
+WHILE = HEAD + '''
+it = 0
+while it < 30:
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        it += 1
+'''
+
+BREAKS = HEAD + '''
+max_steps = 20
+done = 0
+for epoch in range(epochs):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        done += 1
+        if done >= max_steps:
+            break
+'''
+
+GENERATED = HEAD + '''
+def batches():
+    yield from loader
+
+for x, y in batches():
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+def _patched(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(body))
+    return run(load_project(script)).files[0].new_text
+
+
+def _markers(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if "_autotune.loop_length(" in line]
+
+
+@pytest.mark.parametrize("body, expected", [
+    (NESTED, ["_autotune.loop_length(lambda: range(epochs), 'range(epochs)', 'train.py:13', 2)",
+              "_autotune.loop_length(lambda: loader, 'len(loader)', 'train.py:13', 2)"]),
+    (ACCUMULATED, ["_autotune.loop_length(lambda: range(1, epochs + 1), 'range(1, epochs + 1)', 'train.py:14', 2)",
+                   "_autotune.loop_length(lambda: loader, 'len(loader)', 'train.py:14', 2, counted=True)"]),
+    (TRAINER, ["_autotune.loop_length(lambda: self.loader, 'len(self.loader)', 'train.py:17', 2)",  # (file order)
+               "_autotune.loop_length(lambda: range(max_epochs), 'range(max_epochs)', 'train.py:17', 2)"]),
+], ids=["nested", "accumulated", "trainer"])
+def test_each_loop_around_the_step_tells_its_length_before_it_starts(body, expected, tmp_path):
+    text = _patched(tmp_path, body)
+    assert _markers(text) == expected
+    lines = [line.strip() for line in text.splitlines()]
+    for marker in expected:  # just before its loop
+        following = lines[lines.index(marker) + 1]
+        assert following.startswith("for "), following
+
+
+@pytest.mark.parametrize("body, why", [
+    (WHILE, "the loop at train.py:13 is a while loop: its length is known only as it ends"),
+    (BREAKS, "the loop at train.py:15 may end before its iterable does (break or return)"),
+    (GENERATED, "the loop at train.py:15 iterates over batches(), whose length is not read"),
+], ids=["while", "break", "generator"])
+def test_where_the_runs_length_cannot_be_read_the_patch_says_why(body, why, tmp_path):
+    markers = _markers(_patched(tmp_path, body))
+    assert len(markers) == 1 and markers[0].startswith("_autotune.loop_length(None, ") and repr(why) in markers[0]
+
+
+def _trial(tmp_path: Path, body: str):
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(body))
+    settings = TrialSettings((), tmp_path, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": ""})
+    return Runner(run(load_project(script)), tmp_path / "work", settings).run({}, "baseline", timeout=120)
+
+
+@pytest.mark.parametrize("body, steps, said", [
+    (NESTED, 36, "range(epochs) 3 x len(loader) 12, read as the loops started"),
+    (ACCUMULATED, 9, "range(1, epochs + 1) 3 x len(loader) 12, 4 iterations a step, read as the loops started"),
+    (TRAINER, 36, "range(max_epochs) 3 x len(self.loader) 12, read as the loops started"),
+    (WHILE, None, "the loop at train.py:13 is a while loop: its length is known only as it ends"),
+], ids=["nested", "accumulated", "trainer", "while"])
+def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, said, tmp_path):
+    result = _trial(tmp_path, body)
+    assert result.status is Outcome.OK, result.stderr_tail
+    assert (result.run_steps, result.run_steps_from) == (steps, said)
