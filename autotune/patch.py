@@ -315,7 +315,7 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
             for node, code, text, of in run_length.markers(facts, loop, name):
                 line = run_length.length_marker(edits.runtime("loop_length"), code, text, group, of,
                                                 counted and node is loop.node)
-                edits.insert_before(node, stmt(line))
+                edits.insert_first_before(node, stmt(line))
 
 
 def _framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:

@@ -95,6 +95,10 @@ class Edits:
     def insert_before(self, stmt: cst.BaseStatement, *stmts: cst.BaseStatement) -> None:
         self.before.setdefault(stmt, []).extend(stmts)
 
+    def insert_first_before(self, stmt: cst.BaseStatement, *stmts: cst.BaseStatement) -> None:
+        """Before ``stmt`` and ahead of what transforms put there (their own markers, gc_pause(), stay next to it)."""
+        self.before[stmt] = [*stmts, *self.before.get(stmt, [])]
+
     def insert_after(self, stmt: cst.BaseStatement, *stmts: cst.BaseStatement) -> None:
         self.after.setdefault(stmt, []).extend(stmts)
 
