@@ -1145,3 +1145,6 @@ def test_the_run_length_a_trial_reads_ranks_by_the_whole_run_and_compile_stays_o
     from autotune.search.report import summary_doc
 
     assert summary_doc(out, "0" * 64, {})["objective"] == out.run_length  # autotune.yaml says what was ranked by
+    assert out.winner is not None and re.fullmatch(  # both figures: the steady state's and the user's run's
+        rf"steady state \d+\.\d\dx; your {run_steps}-step run \d+\.\ds -> \d+\.\ds of training \(\d+\.\d\dx, one-time "
+        r"start-up included\)", out.whole_run), out.whole_run

@@ -97,6 +97,7 @@ class SearchOutcome:
     foreign: Mapping[int | None, list[tuple[str, Any]]] = field(default_factory=dict)
     isolation: str | None = None  # how the trials were kept off the user's files (None: reported from a study)
     run_length: str | None = None  # what the search ranked by: the user's whole run (its length, where from), or why not
+    whole_run: str | None = None  # the winner's steady-state ratio and the user's run's time before and after
 
     @property
     def noisy(self) -> str | None:

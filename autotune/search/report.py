@@ -109,6 +109,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
             "confidence": _confidence(win or best),
             "warning": o.noisy,
             "startup": o.startup,
+            "whole_run": o.whole_run,
             "objective": o.run_length or "steady-state speed",
             "max_loss_deviation": _r(max_dev, 3),
             "loss_tolerance": _r(tol, 3),
@@ -269,6 +270,8 @@ def _verdict_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
             f"interleaved A/B pairs, sign test p = {w.p_value:.3f}); "
             f"{_deviation_kind(o, w.config)} {_fmt(doc['max_loss_deviation'])} (tolerance {_fmt(doc['loss_tolerance'])})."
         )
+        if o.whole_run:
+            lines.append(f"Your whole run: {o.whole_run}.")
         if o.startup:
             lines.append(f"It has a one-time cost: {o.startup}.")
     else:
@@ -498,6 +501,8 @@ def print_summary(o: SearchOutcome, w: Written, console) -> None:
             highlight=False,
             soft_wrap=True,
         )
+        if o.whole_run:
+            console.print(f"  {o.whole_run}", markup=False, highlight=False, soft_wrap=True)
     else:
         console.print(f"[bold yellow]{_baseline_reason(o)}[/]", highlight=False, soft_wrap=True)
     if o.noisy:

@@ -26,7 +26,7 @@ from autotune.search.budget import (
     run_cost,
     run_lengths,
 )
-from autotune.search.credit import knob_worth, startup
+from autotune.search.credit import knob_worth, startup, whole_run
 from autotune.search.gate import Noise, gated, measure_noise
 from autotune.search.identity import Programs, thread_counts
 from autotune.search.options import SearchFailed, SearchInterrupted, SearchOptions
@@ -247,6 +247,7 @@ class Search:
             labels={r.number: label(self.programs.canonical(r.config), self.space) for r in results if r.number is not None},
             interactions=knob_worth(self.view(), self.space, winner.config) if winner else (),
             startup=startup(winner, self._compiles(winner.config), self.o.warmup, self.train_steps) if winner else None,
+            whole_run=whole_run(winner, self.train_steps, self.o.warmup) if winner else None,
             run_length=self.run_length_note(),
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
