@@ -42,7 +42,10 @@ WARMUP, STEPS = 1, 4
 
 def make_runner(script: Path, tmp_path: Path, launcher, args=()) -> Runner:
     patch = run(load_project(script), select())
-    settings = TrialSettings(tuple(map(str, args)), tmp_path, "cpu", WARMUP, STEPS, ENV, tuple(launcher))
+    # the trial works in a folder of its own: the pid files it writes into tmp_path lie outside the overlay it sees
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    settings = TrialSettings(tuple(map(str, args)), run_dir, "cpu", WARMUP, STEPS, ENV, tuple(launcher))
     return Runner(patch, tmp_path / "work", settings)
 
 
