@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="a new, empty compiler cache for every run")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- the script's own arguments")
-    o = parser.parse_args(argv)
-    args = o.args[1:] if o.args[:1] == ["--"] else o.args
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    o = parser.parse_args(argv[:cut])
+    args = argv[cut + 1:]  # the script's own arguments, after --
     cwd = o.original.resolve().parent
     times: dict[str, list[float]] = {"original": [], "tuned": []}
     loads = [os.getloadavg()[0]]
