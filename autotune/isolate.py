@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cwd = os.getcwd()
         iso.enter()
         os.chdir(cwd)  # the same path, now seen through the overlays and the folders kept
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, AttributeError) as exc:  # AttributeError: a libc with no unshare (macOS)
         print(f"autotune: the trial's folders could not be isolated: {exc}", file=sys.stderr)
         raise SystemExit(FAILED) from None
     sys.stdout.flush()
