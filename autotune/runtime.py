@@ -262,6 +262,11 @@ SHARED_CACHES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HU
                  "TORCH_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
 
+def shared_caches() -> list[str]:
+    """The folders the environment names as caches libraries share between runs (``SHARED_CACHES``)."""
+    return [os.path.abspath(os.path.expanduser(os.environ[v])) for v in SHARED_CACHES if os.environ.get(v)]
+
+
 def _keep_user_files(mirror: str, real: str, own: str, isolated: bool = False) -> None:
     """Under a trial, run in a mirror of the user's working directory made of links to its entries: a write
     through a link first turns that link into the trial's own file or folder, so the user's files are only ever
@@ -280,7 +285,7 @@ def _keep_user_files(mirror: str, real: str, own: str, isolated: bool = False) -
     sep = os.sep
     # caches the script's libraries share between runs (a datasets cache under HF_HOME inside the working directory):
     # their files are written and locked by every run as the libraries see fit, a trial's as much as the user's own
-    caches = [os.path.abspath(os.path.expanduser(os.environ[v])) for v in SHARED_CACHES if os.environ.get(v)]
+    caches = shared_caches()
 
     def under(path: str, folder: str) -> bool:
         return path == folder or path.startswith(folder + sep)

@@ -26,7 +26,7 @@ from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
 from autotune.isolate import Isolation, IsolationError
-from autotune.runtime import CONFIG_ENV, SHARED_CACHES, TRIAL_ENV
+from autotune.runtime import CONFIG_ENV, TRIAL_ENV, shared_caches
 from autotune.search.machine import machine_key
 
 STDERR_TAIL_CHARS = 2000
@@ -354,7 +354,7 @@ def protected(settings: TrialSettings) -> tuple[Path, ...]:
 def _kept(own: Path) -> list[Path]:
     """What stays the real thing inside the overlays: the search's own folder (where a trial's result is written)
     and the caches libraries share between runs, written and locked by every run (``SHARED_CACHES``)."""
-    return [own, *(Path(os.path.expanduser(v)) for name in SHARED_CACHES if (v := os.environ.get(name)))]
+    return [own, *map(Path, shared_caches())]
 
 
 def probe_isolation(folders: Iterable[Path]) -> float:
