@@ -17,6 +17,7 @@ from autotune import __version__
 from autotune.analysis import source_lines
 from autotune.project import Project, load_project
 from autotune.errors import AutotuneError, NoTrainingLoop, UsageError
+from autotune.isolate import ISOLATIONS, OVERLAY
 from autotune.patch import CONFIG_NAME, DIFF_NAME, PatchResult, check_out_dir, run, select, write_in_place, write_outputs
 from autotune.transform import Site, Status, all_knobs, all_transforms
 
@@ -382,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="your real run's length in steps: rank by time to train N steps, compile time included",
     )
     search.add_argument(
-        "--isolation", choices=("overlay", "python"), default="overlay",
+        "--isolation", choices=ISOLATIONS, default=OVERLAY,
         help="how trials are kept off your files: overlay (default; Linux: your folders are overlays in a private "
         "mount namespace, whatever the script runs) or python (where that is refused: Python's own writes only)",
     )

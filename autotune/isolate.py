@@ -1,7 +1,7 @@
 """Runs a command in a private mount namespace where the user's folders are overlays: it reads them as they are,
 and whatever it or anything it starts writes there (a shell, SQLite, C, by any path) lands in a scratch folder.
 
-``python -m autotune.isolate SPEC -- COMMAND...``: SPEC is a JSON file (``Isolation.spec``). The command is
+``python -m autotune.isolate SPEC -- COMMAND...``: SPEC is a JSON file (``Isolation.write``). The command is
 exec'd in this very process once the mounts are made, so it keeps this process's id; where any mount fails, it is
 not run at all: one line on stderr and exit status ``FAILED``. Standard library only (ctypes for the system calls
 Python 3.11 lacks), Linux only: a user namespace where the caller is not root (unprivileged overlayfs: Linux 5.11),
@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FAILED = 97  # the exit status of a command that was not run because its folders could not be isolated
+# how a search keeps trials off the user's files: overlays made here, or only the runtime's guard of Python's own writes
+OVERLAY, PYTHON = "overlay", "python"
+ISOLATIONS = (OVERLAY, PYTHON)
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
-MS_RDONLY = 1
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18

@@ -220,6 +220,7 @@ class _Trial:
         except Exception as exc:  # a failed device (OOM, illegal access) can make losses unreadable
             losses, error = [], error or f"losses unreadable: {exc}"
         peak, peak_kind = self._peak_memory()
+        run_steps, run_steps_from = self.run_length()
         result = {
             "status": status,
             "steps_done": self.count,
@@ -239,8 +240,8 @@ class _Trial:
             "error": error,
             "error_type": error_type,
             "error_types": list(error_types),  # qualified names along the exception's MRO: oom, compile errors
-            "run_steps": self.run_length()[0],  # the optimizer steps of the user's whole run, where they were read
-            "run_steps_from": self.run_length()[1],
+            "run_steps": run_steps,  # the optimizer steps of the user's whole run, where they were read
+            "run_steps_from": run_steps_from,
             "applied": applied(),  # knobs that took effect: see took_effect
             "rank": self.rank,
             "local_rank": self.local_rank,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autotune.errors import AutotuneError
+from autotune.isolate import OVERLAY
 
 DEFAULT_BUDGET_S = 900.0  # when neither --trials nor --time-budget is given
 DEFAULT_STEPS = 20  # measured steps per run
@@ -49,7 +50,7 @@ class SearchOptions:
     env: Mapping[str, str | None] = field(default_factory=dict)  # extra environment for every trial
     launcher: str | None = None  # a command that runs each trial as a distributed job ("torchrun --nproc_per_node=2")
     train_steps: int | None = None  # the real run's length: the objective becomes time to train, compile included
-    isolation: str = "overlay"  # how trials are kept off the user's files (autotune.search.trial.ISOLATIONS)
+    isolation: str = OVERLAY  # how trials are kept off the user's files (autotune.isolate.ISOLATIONS)
 
     @property
     def budget(self) -> float | None:

@@ -25,7 +25,7 @@ import yaml
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
-from autotune.isolate import Isolation, IsolationError
+from autotune.isolate import OVERLAY, PYTHON, Isolation, IsolationError
 from autotune.runtime import CONFIG_ENV, TRIAL_ENV, shared_caches
 from autotune.search.machine import machine_key
 
@@ -338,12 +338,8 @@ class TrialSettings:
     launcher: tuple[str, ...] = ()  # runs ``launcher + [script] + args`` in place of ``python script args``
     # OVERLAY: each trial sees ``cwd`` and ``folders`` as overlays in a private mount namespace (autotune.isolate);
     # PYTHON: only the runtime's guard of Python's own writes (a mirror of links and an audit hook)
-    isolation: str = "overlay"
+    isolation: str = OVERLAY
     folders: tuple[Path, ...] = ()  # the user's folders protected besides ``cwd`` (the script's project)
-
-
-OVERLAY, PYTHON = "overlay", "python"
-ISOLATIONS = (OVERLAY, PYTHON)
 
 
 def protected(settings: TrialSettings) -> tuple[Path, ...]:
