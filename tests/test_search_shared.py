@@ -33,7 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "search" / "loader.py"
 SPACE = {"dataloader.num_workers": [0, 2], "gc.freeze": [False, True]}  # 4 configurations
 START = {"dataloader.num_workers": 2, "gc.freeze": True}  # what the search starts from in SPACE
-SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "5"]
+# a long run (--train-steps) ranks by the steps, where the loader's 2x shows; ranked by the fixture's own 12-step
+# run, start-up dominates, the win shrinks to a few percent and a loaded machine needed 20+ pairs to settle it
+SMALL = ["--steps", "4", "--warmup", "1", "--confirm", "5", "--train-steps", "5000"]
 # one intra-op thread (steadier on a shared machine); heartbeats each second, so a dead worker shows in 6 s
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTUNE_HEARTBEAT_S": "1"}
 ENV.pop("AUTOTUNE_HOST", None)
