@@ -270,6 +270,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         rtol=args.rtol,
         timeout=args.timeout,
         confirm=args.confirm,
+        whole_runs=args.whole_runs,
         launcher=args.launcher,
         train_steps=args.train_steps,
         isolation=args.isolation,
@@ -408,6 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--rtol", type=_finite, metavar="X", help="relative loss tolerance for every non-default knob")
     search.add_argument("--timeout", type=_finite, metavar="S", help="seconds before a trial is killed (default: auto)")
     search.add_argument("--confirm", type=int, default=5, metavar="N", help="A/B pairs that confirm the winner (default 5)")
+    search.add_argument(
+        "--whole-runs",
+        type=int,
+        default=3,
+        metavar="N",
+        help="A/B pairs of whole runs, process start to exit, that check the winner where your run's length is known "
+        "and the budget covers them (default 3; 0: none)",
+    )
     search.add_argument(
         "--launcher",
         metavar="CMD",

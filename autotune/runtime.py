@@ -101,6 +101,9 @@ class _Trial:
         if spec.get("per_rank"):
             self.result_path = self.result_path.with_name(f"{self.result_path.stem}.rank{self.rank}.json")
         self.search_pid: int | None = spec.get("search_pid")
+        # a whole run: the window's result is written as usual, then the script runs on to its own end (the search
+        # times the process from start to exit: start-up, compile, evaluation passes and their recompiles)
+        self.whole = bool(spec.get("whole"))
         self.started = time.perf_counter()
         self.count = 0
         self.stamps: list[float] = []
@@ -128,6 +131,8 @@ class _Trial:
             torch.cuda.synchronize()
 
     def accumulate(self, losses: tuple, batch: Any = None) -> None:
+        if self.written:
+            return  # a whole run, past its window
         self.pending.append(_copies(losses))
         shape = getattr(batch, "shape", None)
         self.pending_samples.append(int(shape[0]) if shape is not None and len(shape) > 0 else None)
@@ -135,6 +140,8 @@ class _Trial:
     def step(self, losses: tuple, batch: Any, samples: int | None = None) -> None:
         """``samples``: how many the optimizer step trained on, where a framework hook counted its micro-batches
         (else the first dimension of ``batch``, the step's last micro-batch)."""
+        if self.written:
+            return  # a whole run, past its window: the script's own steps, untouched
         self.count += 1
         if self.counted:
             self.per_step.append(max(len(self.pending), 1))
@@ -162,6 +169,8 @@ class _Trial:
             self._sync()
             self.stamps[-1] = time.perf_counter()
             self.write("ok")
+            if self.whole:
+                return
             _end_process_group()
             raise TrialComplete()
 

@@ -155,3 +155,34 @@ def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, 
     result = _trial(tmp_path, body)
     assert result.status is Outcome.OK, result.stderr_tail
     assert (result.run_steps, result.run_steps_from) == (steps, said)
+
+
+AFTER = NESTED + '''
+import os
+import sys
+
+with torch.no_grad():  # the script's own evaluation, after training: a whole run gets here, a timed window does not
+    print("eval loss", torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)).item())
+with open(os.environ["EVALUATED"], "w") as f:
+    f.write("evaluated")
+sys.exit(int(os.environ.get("EXIT", "0")))
+'''
+
+
+@pytest.mark.parametrize("whole, exit_status", [(False, 0), (True, 0), (True, 3)], ids=["window", "whole", "whole-fails"])
+def test_a_whole_run_goes_on_past_its_window_to_the_scripts_own_end(whole, exit_status, tmp_path, tmp_path_factory):
+    side = tmp_path_factory.mktemp("side") / "evaluated"  # outside the trial's overlay: what the run did is seen here
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(AFTER))
+    env = {"CUDA_VISIBLE_DEVICES": "", "EVALUATED": str(side), "EXIT": str(exit_status)}
+    runner = Runner(run(load_project(script)), tmp_path / "work", TrialSettings((), tmp_path, "cpu", 1, 2, env))
+    result = runner.run({}, "whole" if whole else "baseline", timeout=120, **({"whole": True} if whole else {}))
+    assert side.exists() is whole
+    # the window is measured the same either way: its steps and losses, and the run's length
+    assert (result.steps_done, len(result.losses), len(result.step_times)) == (3, 3, 2)
+    assert result.run_steps == 36
+    if exit_status:
+        assert result.status is Outcome.CRASH and result.error == "exit status 3 after the measured steps", result.error
+    else:
+        assert result.status is Outcome.OK, result.stderr_tail

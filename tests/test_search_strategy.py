@@ -1119,13 +1119,32 @@ def test_a_search_that_stops_before_any_candidate_passed_says_what_the_next_one_
 
 
 class LengthRunner(FakeRunner):
-    """Every run also reads the user's run's length, as a patched script's loops tell it."""
+    """Every run also reads the user's run's length, as a patched script's loops tell it. A whole run goes on to
+    the run's end: its steps, then ``after(config)`` seconds of what the script does after them (an evaluation and
+    its recompiles), or a crash there where ``after`` says None."""
 
     run_steps = 30
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
-        return super().run(config, role, timeout, on_start, attrs).with_(
+    @staticmethod
+    def after(config):
+        return 2.0
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, whole=False):
+        from autotune.search.trial import Outcome
+
+        assert whole == (role == "whole")
+        r = super().run(config, role, timeout, on_start, attrs).with_(
             run_steps=self.run_steps, run_steps_from=f"range(epochs) 1 x len(loader) {self.run_steps}, read as the loops started")
+        if whole and r.status is Outcome.OK:
+            rest = (self.run_steps - r.steps_done) * r.step_time
+            after = self.after(config)
+            if after is None:
+                self.clock.now += rest
+                return r.with_(status=Outcome.CRASH, error="exit status 1 after the measured steps: RuntimeError: "
+                               "recompile failed", wall_s=r.wall_s + rest)
+            self.clock.now += rest + after
+            r = r.with_(wall_s=r.wall_s + rest + after)
+        return r
 
 
 @pytest.mark.parametrize("run_steps, compiles", [(30, False), (100_000, True)])
@@ -1145,6 +1164,77 @@ def test_the_run_length_a_trial_reads_ranks_by_the_whole_run_and_compile_stays_o
     from autotune.search.report import summary_doc
 
     assert summary_doc(out, "0" * 64, {})["objective"] == out.run_length  # autotune.yaml says what was ranked by
-    assert out.winner is not None and re.fullmatch(  # both figures: the steady state's and the user's run's
-        rf"steady state \d+\.\d\dx; your {run_steps}-step run \d+\.\ds -> \d+\.\ds of training \(\d+\.\d\dx, one-time "
-        r"start-up included\)", out.whole_run), out.whole_run
+    assert out.winner is not None
+    # both figures: the steady state's, and the user's run's: 30 steps measured whole, 100,000 predicted (their whole
+    # runs would take far more than the budget)
+    whole = [r for r in out.results if r.role == "whole"]
+    if run_steps == 30:
+        assert [(r.attrs["pair"], r.attrs["arm"]) for r in whole] == [
+            (0, "baseline"), (0, "candidate"), (1, "candidate"), (1, "baseline"), (2, "baseline"), (2, "candidate")]
+        assert re.fullmatch(rf"steady state \d+\.\d\dx; your 30-step run measured whole \(process start to exit, 3 A/B "
+                            r"pairs\): \d+\.\ds -> \d+\.\ds \(\d\.\d\dx, \d\.\d\dx to \d\.\d\dx\)", out.whole_run), out.whole_run
+    else:
+        assert not whole
+        assert re.fullmatch(
+            rf"steady state \d+\.\d\dx; your {run_steps}-step run \d+\.\ds -> \d+\.\ds of training \(\d+\.\d\dx, one-time "
+            r"start-up included, predicted from the A/B pairs; whole runs not measured: 3 pairs of whole runs would take "
+            r"about \d+m\d\ds, more than 50% of the time budget\)",
+            out.whole_run), out.whole_run
+
+
+
+def _length_search(tmp_path, monkeypatch, after=None, **options):
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, **{"time_budget": 1500, **options})
+    runner = LengthRunner(clock)
+    if after is not None:
+        runner.after = after
+    search.runner_factory = lambda *a, **k: runner
+    return search, runner
+
+
+def test_a_winner_whose_whole_run_is_slower_is_not_kept(tmp_path, monkeypatch):
+    """Its steps are faster, but what its run does after them (an evaluation recompiling, here 30 s of it) costs
+    more than they save: the A/B pairs of the steps accept it, the whole runs do not, and the baseline wins."""
+    search, runner = _length_search(tmp_path, monkeypatch, after=lambda c: 30.0 if c.get("fused_optimizer.impl") != "default" else 2.0)
+    out = search.run()
+    assert out.winner is None
+    assert [r.status.value for r in out.results if r.role == "whole"] == ["ok"] * 6
+    rejected = [c for c in out.confirmations if c.whole is not None and c.whole.pairs]
+    assert rejected and not rejected[0].accepted and rejected[0].whole.slower
+    assert rejected[0].reason.startswith("its whole run is slower: your 30-step run measured whole (process start to "
+                                         "exit, 3 A/B pairs): "), rejected[0].reason
+    assert out.whole_run is None
+
+    # autotune report reads the same verdict from the study, without running anything
+    from autotune.search.from_study import study_outcome
+    from autotune.search.live import QuietDisplay
+    from autotune.search.search import Search
+
+    again = study_outcome(Search(search.o, QuietDisplay()), search.store)
+    assert again.winner is None
+    assert [c.reason for c in again.confirmations if c.whole is not None] == [rejected[0].reason]
+
+
+def test_a_winner_whose_whole_run_fails_after_its_steps_is_not_kept_and_one_pair_says_so(tmp_path, monkeypatch):
+    search, runner = _length_search(tmp_path, monkeypatch, after=lambda c: None if c.get("fused_optimizer.impl") != "default" else 2.0)
+    out = search.run()
+    assert out.winner is None
+    assert [(r.attrs["arm"], r.status.value) for r in out.results if r.role == "whole"] == [("baseline", "ok"), ("candidate", "crash")]
+    bad = next(c for c in out.confirmations if c.whole is not None)
+    assert bad.reason.startswith("its whole run failed after the measured steps: crash (exit status 1 after the "
+                                 "measured steps: RuntimeError: recompile failed)"), bad.reason
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"whole_runs": 0}, None),
+    ({"train_steps": 30}, "whole runs not measured: --train-steps 30 sets the run's length, so the script's own whole run "
+                          "is not the run it means"),
+])
+def test_whole_runs_off_or_not_the_users_run_measure_none(options, said, tmp_path, monkeypatch):
+    search, runner = _length_search(tmp_path, monkeypatch, **options)
+    out = search.run()
+    assert not [r for r in out.results if r.role == "whole"]
+    assert out.winner is not None
+    assert out.whole_run.startswith("steady state ")
+    assert out.whole_run.endswith(f"predicted from the A/B pairs{'; ' + said if said else ''})"), out.whole_run

@@ -66,13 +66,17 @@ def startup(winner: Confirmation, compiles: bool, warmup: int, train_steps: int 
 
 def whole_run(winner: Confirmation, steps: int | None, warmup: int) -> str | None:
     """Both figures of the verdict where the run's length is known: the steady state's, and the time of the user's
-    run from the A/B pairs (the median of each arm's one-time start-up plus ``steps`` of its step time)."""
+    run: measured by its whole runs where they ran, else predicted from the A/B pairs (the median of each arm's
+    one-time start-up plus ``steps`` of its step time)."""
     runs = [r for r in winner.candidate if r.measured]
     base = [r for r in winner.baseline if r.measured]
     if not steps or not runs or not base:
         return None
+    steady = statistics.median(b.step_time for b in base) / statistics.median(r.step_time for r in runs)
+    if winner.whole is not None and winner.whole.pairs:  # measured: the whole process, start to exit
+        return f"steady state {steady:.2f}x; {winner.whole.text()}"
     before = statistics.median(train_time(b, steps, warmup) for b in base)
     after = statistics.median(train_time(r, steps, warmup) for r in runs)
-    steady = statistics.median(b.step_time for b in base) / statistics.median(r.step_time for r in runs)
+    unmeasured = f"; {winner.whole.text()}" if winner.whole is not None else ""
     return (f"steady state {steady:.2f}x; your {steps}-step run {before:.1f}s -> {after:.1f}s of training "
-            f"({before / after:.2f}x, one-time start-up included)")
+            f"({before / after:.2f}x, one-time start-up included, predicted from the A/B pairs{unmeasured})")

@@ -9,6 +9,7 @@ from autotune.search.live import QuietDisplay
 from autotune.search.options import SearchOptions
 from autotune.search.outcome import SearchOutcome
 from autotune.search.search import Search
+from autotune.search import whole
 from autotune.search.space import config_key
 from autotune.search.storage import open_storage
 from autotune.search.study import ROLE_CONFIRM, StudyStore
@@ -39,6 +40,7 @@ def report_from_study(storage: str, study_name: str | None, out: Path, script: P
         study_name=name,
         rtol=about.get("rtol"),
         confirm=int(about["confirm"]),
+        whole_runs=int(about.get("whole_runs") or 0),
         seed=int(about.get("seed") or 0),
         env=dict(about.get("env") or {}),
         launcher=about.get("launcher"),
@@ -70,7 +72,9 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
     for (machine, key), got in arms.items():
         config = next((r.config for (_, arm), r in got.items() if arm == "candidate"), None)
         if config is not None:  # (a pair stopped before its candidate ran confirms nothing)
-            confirmations.append(s._verdict(dict(config), got, None, speeds.get(key), machine))
+            c = s._verdict(dict(config), got, None, speeds.get(key), machine)
+            runs = whole.arms(s.results, key, machine)
+            confirmations.append(whole.kept(c, whole.judge(runs, s.train_steps)) if runs else c)
     accepted = [c for c in confirmations if c.accepted]
     winner = max(accepted, key=lambda c: c.speedup) if accepted else None
     if winner:

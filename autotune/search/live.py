@@ -215,10 +215,11 @@ class SearchDisplay:
             )
 
     def note(self, text: str) -> None:
+        # (soft wrap: piped to a file or a log, a note stays one line; a terminal wraps it where it must)
         if self.live is not None:
-            self.live.console.print(text, markup=False)
+            self.live.console.print(text, markup=False, soft_wrap=True)
         else:
-            self.console.print(text, markup=False)
+            self.console.print(text, markup=False, soft_wrap=True)
 
     def end(self) -> None:
         if self.task is not None:

@@ -6,7 +6,7 @@ import os
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.project import Project
 from autotune.patch import PatchResult
@@ -16,6 +16,9 @@ from autotune.search.space import SearchSpace
 from autotune.search.strategy import Plan, median_interval, sign_test
 from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_PERTURBED
 from autotune.search.trial import TrialResult
+
+if TYPE_CHECKING:
+    from autotune.search.whole import WholeRuns
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class Confirmation:
     search_speedup: float | None = None
     machine: str = ""  # every pair ran on this machine
     evidence: bool = False  # a candidate run failed (not a timeout): the candidate does not reproduce
+    whole: WholeRuns | None = None  # its whole runs against the baseline's, process start to exit (whole.py)
 
     @property
     def speedup(self) -> float | None:

@@ -51,6 +51,7 @@ class Prepared:
             "trials": options.trials,
             "time_budget": options.budget,
             "confirm": options.confirm,
+            "whole_runs": options.whole_runs,
             "rtol": options.rtol,
             "seed": options.seed,
             "env": dict(options.env),
@@ -72,6 +73,8 @@ def check_options(options: SearchOptions) -> None:
     if options.train_steps is not None and options.train_steps < 1:
         raise UsageError("--train-steps must be at least 1")
     check_pairs(options.confirm)
+    if options.whole_runs < 0:
+        raise UsageError("--whole-runs must be 0 (none) or a number of A/B pairs")
     if options.time_budget is not None and not (0 < options.time_budget < math.inf):  # nan fails too
         raise UsageError("--time-budget must be a positive number of seconds")
     if options.timeout is not None and not (0 < options.timeout < math.inf):

@@ -24,7 +24,7 @@ from autotune.search.machine import cpu_name
 from autotune.search.outcome import SearchOutcome, is_baseline_run, train_time
 from autotune.search.plot import write_plot
 from autotune.search.space import config_key
-from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH
+from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH, ROLE_WHOLE
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
 
@@ -132,7 +132,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
                 "time_budget_s": o.options.budget,
                 "confirmation_reserved_s": _r(o.reserved_s),
                 "space_size": o.space.size,
-                "configurations_measured": len({config_key(r.config) for r in o.results if r.role != ROLE_CONFIRM}),
+                "configurations_measured": len({config_key(r.config) for r in o.results if r.role not in (ROLE_CONFIRM, ROLE_WHOLE)}),
                 "runs": len(o.results),
                 "machines": {m: sum(r.machine == m for r in o.results) for m in o.machines},
                 "stopped": o.stopped,
@@ -387,8 +387,9 @@ def _trial_lines(o: SearchOutcome) -> list[str]:
         note = ""
         if r.status is not Outcome.OK:
             note = r.error or stderr_summary(r.stderr_tail)
-        if r.role == ROLE_CONFIRM:
-            note = f"pair {r.attrs.get('pair', 0) + 1}, {r.attrs.get('arm')}" + (f"; {note}" if note else "")
+        if r.role in (ROLE_CONFIRM, ROLE_WHOLE):
+            whole = f", whole run {r.wall_s:.1f}s" if r.role == ROLE_WHOLE else ""
+            note = f"pair {r.attrs.get('pair', 0) + 1}, {r.attrs.get('arm')}{whole}" + (f"; {note}" if note else "")
         elif r.attrs.get("why"):
             note = str(r.attrs["why"]) + (f"; {note}" if note else "")
         lines.append(

@@ -45,6 +45,7 @@ from autotune.search.machine import Machine, this_machine
 from autotune.search.space import config_key
 from autotune.search.strategy import Plan, label, sign_test
 from autotune.search.view import StudyView
+from autotune.search import whole
 from autotune.search.storage import open_storage
 from autotune.search.study import (
     ROLE_BASELINE,
@@ -53,6 +54,7 @@ from autotune.search.study import (
     ROLE_PERTURBED,
     ROLE_REPEAT,
     ROLE_SEARCH,
+    ROLE_WHOLE,
     StudyStore,
     claim_key,
 )
@@ -177,7 +179,7 @@ class Search:
             try:
                 stopped = self._explore()
                 self.reserved_s = self._reserve() if math.isfinite(self.deadline) else None
-                confirmations = confirm_candidates(self)
+                confirmations = [whole.measure(self, c) if c.accepted else c for c in confirm_candidates(self)]
             except UsageError:  # a refusal (the budget too small for one run, a script too short): nothing written
                 self._refused = fresh
                 raise
@@ -427,7 +429,18 @@ class Search:
             ranked = self.candidates()
             config = ranked[0][0] if ranked else None
         cost = self._repeat_cost(config) if config is not None else self._estimate()
-        return RUN_MARGIN * self._pairs_kept() * (self._estimate() + cost)
+        return RUN_MARGIN * (self._pairs_kept() * (self._estimate() + cost) + self._whole_reserve(cost))
+
+    def _whole_reserve(self, cost: float) -> float:
+        """The time the winner's whole-run pairs are expected to take (0 where none will run): each run as the
+        first baseline's would take to the run's end, the candidate's with its extra start-up (``cost``, its trial
+        run, beyond the baseline's)."""
+        steps, found = self.train_steps, self._found_length()
+        if not steps or found is None or not found.measured:
+            return 0.0
+        base = whole.predicted(found, steps)
+        need, _ = whole.plan(self, base, base + max(cost - self._estimate(), 0.0))
+        return need or 0.0
 
     def _pairs_kept(self) -> int:
         """The A/B pairs the time set aside for confirmation covers: --confirm; on a machine whose baseline runs
@@ -442,13 +455,15 @@ class Search:
     def _time_left(self) -> float:
         return self.deadline - self.clock()
 
-    def _timeout(self, config: Mapping[str, Any], reserve: float = 0.0) -> tuple[float, bool]:
+    def _timeout(self, config: Mapping[str, Any], reserve: float = 0.0, to_end: bool = False) -> tuple[float, bool]:
         """A run's timeout, and whether the budget set it (shorter than the run's own: --timeout, else 5 times the
-        slowest baseline run, at least 120 s, 900 s where it compiles, 600 s for the first run)."""
+        slowest baseline run, at least 120 s, 900 s where it compiles, 600 s for the first run; a whole run: as the
+        slowest baseline run would take to the run's end)."""
         if self.o.timeout is not None:
             timeout = self.o.timeout
         else:
-            walls = [r.wall_s for r in self._baselines()]
+            steps = self.train_steps
+            walls = [whole.predicted(r, steps) if to_end and steps else r.wall_s for r in self._baselines()]
             timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
             if self._compiles(config):
                 timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
@@ -631,13 +646,14 @@ class Search:
             return None
         first = self._reference() is None and role == ROLE_BASELINE
         self.display.trial_started(config, role)
-        timeout, cut = self._timeout(config, self._reserve_now)
+        timeout, cut = self._timeout(config, self._reserve_now, to_end=role == ROLE_WHOLE)
         if code is None:
             error = f"autotune cannot write this configuration as code: {self.programs.bake_errors[config_key(config)]}"
             result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
         else:
             result = self.runner.run(
-                config, role, timeout, on_start=lambda pid: self.store.started(trial, pid, timeout), attrs=attrs
+                config, role, timeout, on_start=lambda pid: self.store.started(trial, pid, timeout), attrs=attrs,
+                **({"whole": True} if role == ROLE_WHOLE else {}),
             )
         result = self._trim(result.with_(number=trial.number, host=self.machine.host, device_name=self.machine.device))
         if cut and result.status is Outcome.TIMEOUT:  # the budget ran out, not the run's own time: no measurement

@@ -38,6 +38,9 @@ ROLE_DUEL = "duel"
 # a second run of the best candidate so far, whose only run compiled from cold: what each run of its confirmation
 # costs with the compiler's caches warm (its speed counts nowhere; its wall sizes the time set aside)
 ROLE_REPEAT = "repeat"
+# one run of a whole-run pair: the baseline or the confirmed winner run from process start to its own end, with the
+# script's own arguments (start-up, compile, evaluation passes and their recompiles all in its wall time)
+ROLE_WHOLE = "whole"
 ROLE_DUPLICATE = "duplicate"  # the sampler proposed a configuration already measured: its result is reused
 ROLE_YIELDED = "yielded"  # another worker claimed the same program first: ended FAIL without running
 

@@ -300,6 +300,11 @@ def _started_ranks(tdir: Path) -> dict[int, int]:
     return out
 
 
+def _never() -> bool:
+    """A whole run's report: it is done when its process ends, not when its window's result is written."""
+    return False
+
+
 def _ranks_reported(tdir: Path) -> bool:
     """Whether a launcher's ranks have told how the trial ends: every rank finished its window, or one failed."""
     results = _rank_results(tdir)
@@ -528,8 +533,10 @@ class Runner:
         timeout: float,
         on_start: Callable[[int], None] | None = None,
         attrs: Mapping[str, Any] | None = None,
+        whole: bool = False,
     ) -> TrialResult:
-        """Run one trial; a failure is a typed result, never an exception (KeyboardInterrupt still propagates)."""
+        """Run one trial; a failure is a typed result, never an exception (KeyboardInterrupt still propagates).
+        ``whole``: the script runs on past the measured window to its own end, and ``wall_s`` is its whole run."""
         self._count += 1
         tdir = self.work / "trials" / f"{self._count:04d}"
         if tdir.exists():
@@ -537,12 +544,12 @@ class Runner:
         tdir.mkdir(parents=True)
         iso: Isolation | None = None
         try:
-            cmd, cwd, env = self._setup(tdir, config, attrs)
+            cmd, cwd, env = self._setup(tdir, config, attrs, whole)
             if self.settings.isolation == OVERLAY:
                 iso = Isolation.make(protected(self.settings), _kept(self.work.resolve()))
                 cmd = iso.command(iso.write(tdir / "isolate.json"), cmd)
             started = time.perf_counter()
-            pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start)
+            pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start, whole)
             wall = time.perf_counter() - started
             return self._result(tdir, config, role, attrs, (rc, timed_out, hung_at_exit), timeout, wall, pid)
         finally:
@@ -551,7 +558,7 @@ class Runner:
             shutil.rmtree(tdir, ignore_errors=True)
 
     def _setup(
-        self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None
+        self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None, whole: bool = False
     ) -> tuple[list[str], Path, dict[str, str]]:
         """Write the trial's config and spec into ``tdir``; its command, working directory and environment."""
         s = self.settings
@@ -559,7 +566,8 @@ class Runner:
         (tdir / "config.yaml").write_text(yaml.safe_dump({"device": s.device, "knobs": knobs}), encoding="utf-8")
         result_path = tdir / "result.json"
         # the search's own pid: under a launcher the trial's ranks are not its children, yet end when it dies
-        spec = {"warmup": s.warmup, "steps": s.steps, "result": str(result_path), "search_pid": os.getpid()}
+        spec = {"warmup": s.warmup, "steps": s.steps, "result": str(result_path), "search_pid": os.getpid(),
+                "whole": whole}
         # the trial's working directory is a mirror of the user's: a checkpoint it saves lands here, not on theirs
         own = self.work.resolve()
         cwd = mirror(s.cwd, tdir / "cwd", own)
@@ -584,13 +592,15 @@ class Runner:
 
     def _execute(
         self, tdir: Path, cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
-        on_start: Callable[[int], None] | None,
+        on_start: Callable[[int], None] | None, whole: bool = False,
     ) -> tuple[int, int | None, bool, bool]:
-        """Run the trial's process until it reports, ends or times out, and stop everything it started: (its pid,
-        exit status, timed out, stopped after its result was written)."""
+        """Run the trial's process until it reports (a whole run: until it ends), ends or times out, and stop
+        everything it started: (its pid, exit status, timed out, stopped after its result was written)."""
         s = self.settings
         result_path = tdir / "result.json"
         reported = functools.partial(_ranks_reported, tdir) if s.launcher else result_path.exists
+        if whole:
+            reported = _never
         # output goes to files, not pipes: a pipe stays open as long as any orphaned DataLoader worker holds it
         others = {p for p, (ppid, _) in _process_table().items() if ppid == os.getpid()}
         with open(tdir / "stdout.log", "wb") as out, open(tdir / "stderr.log", "wb") as err:

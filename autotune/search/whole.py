@@ -1,0 +1,161 @@
+"""Whole runs: the confirmed winner and the baseline each run from process start to their own end, with the script's
+own arguments, in interleaved A/B pairs. What the user's run costs, measured rather than predicted: start-up,
+compilation, every evaluation pass and its recompiles, the data loader's start-up, checkpoints, exit.
+
+The search ranks by a prediction (one-time start-up plus the run's steps at the measured step time); the A/B
+pairs confirm the steady state. Neither sees what happens after the measured window: Accelerate's nlp_example got
+"1.44x faster" for a tuned script whose 240-step run took 3.1x longer, its evaluation recompiling. A winner whose
+whole run is slower than the baseline's, or fails, is not kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from autotune.search.budget import RUN_MARGIN
+from autotune.search.live import duration
+from autotune.search.outcome import Confirmation
+from autotune.search.space import config_key
+from autotune.search.study import ROLE_WHOLE, claim_key
+from autotune.search.trial import Outcome, TrialResult
+
+# a winner whose whole run is slower than the baseline's by more than this (the median of the pairs, and slower in
+# most of them) is not kept: the issue's "never slower, within noise" is 1.05x
+SLOWER = 1.05
+# whole runs are measured only where their pairs take at most this share of the time budget: a long run is
+# predicted from the A/B pairs, which measure the same steps
+BUDGET_SHARE = 0.5
+UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)
+
+
+@dataclass(frozen=True)
+class WholeRuns:
+    """What the whole-run pairs of one candidate measured (or why none ran)."""
+
+    steps: int | None  # the run's length in optimizer steps, as the search found it
+    pairs: tuple[tuple[float, float], ...] = ()  # (baseline seconds, candidate seconds), process start to exit
+    failed: TrialResult | None = None  # a candidate run that failed: the tuned script's run would fail too
+    skipped: str | None = None  # why none (or not all) ran
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return tuple(b / c for b, c in self.pairs)
+
+    @property
+    def speedup(self) -> float | None:
+        return statistics.median(self.ratios) if self.pairs else None
+
+    @property
+    def slower(self) -> bool:
+        """Slower than the baseline beyond the noise SLOWER allows, in the median and in most pairs."""
+        r = self.ratios
+        return bool(r) and statistics.median(r) < 1 / SLOWER and sum(x < 1.0 for x in r) * 2 > len(r)
+
+    def text(self) -> str:
+        """``your 240-step run, whole (process start to exit, 3 A/B pairs): 24.1s -> 19.8s (1.22x, 1.18x to
+        1.25x)``; or why it was not measured."""
+        if not self.pairs:
+            return f"whole runs not measured: {self.skipped}" if self.skipped else "whole runs not measured"
+        before = statistics.median(b for b, _ in self.pairs)
+        after = statistics.median(c for _, c in self.pairs)
+        r = self.ratios
+        spread = f", {min(r):.2f}x to {max(r):.2f}x" if len(r) > 1 else ""
+        cut = f"; {self.skipped}" if self.skipped else ""
+        return (f"your {self.steps}-step run measured whole (process start to exit, {len(r)} A/B pair"
+                f"{'s' if len(r) != 1 else ''}): {before:.1f}s -> {after:.1f}s ({self.speedup:.2f}x{spread}){cut}")
+
+
+def arms(results: list[TrialResult], key: str, machine: str) -> dict[tuple[int, str], TrialResult]:
+    """The whole runs of candidate ``key`` on ``machine``: (pair, arm) -> result."""
+    got = {}
+    for r in results:
+        if r.role == ROLE_WHOLE and r.attrs.get("candidate") == key and r.machine == machine:
+            got[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
+    return got
+
+
+def judge(got: Mapping[tuple[int, str], TrialResult], steps: int | None, skipped: str | None = None) -> WholeRuns:
+    """What the pairs ``got`` show: each pair where both runs ended ok, and the first candidate run that failed
+    (a timeout or an interrupted run measured nothing: no evidence either way)."""
+    pairs, failed = [], None
+    for j in sorted({j for j, _ in got}):
+        b, c = got.get((j, "baseline")), got.get((j, "candidate"))
+        if c is not None and failed is None and c.status not in (Outcome.OK, *UNMEASURED):
+            failed = c
+        if b is not None and c is not None and b.status is Outcome.OK and c.status is Outcome.OK:
+            pairs.append((b.wall_s, c.wall_s))
+    return WholeRuns(steps, tuple(pairs), failed, skipped)
+
+
+def kept(c: Confirmation, w: WholeRuns) -> Confirmation:
+    """``c`` with its whole runs: no longer accepted where a whole run of it failed or was slower."""
+    c = replace(c, whole=w)
+    if not c.accepted:
+        return c
+    if w.failed is not None:
+        f = w.failed
+        return replace(c, accepted=False, evidence=True, reason=(
+            f"its whole run failed after the measured steps: {f.status} ({f.error}); the A/B pairs of its steps "
+            f"said {c.reason}"))
+    if w.slower:
+        return replace(c, accepted=False, reason=(
+            f"its whole run is slower: {w.text()}; the steps alone were faster ({c.reason}), but what the run does "
+            "besides them (compilation, evaluation and its recompiles, start-up) costs more than they save"))
+    return c
+
+
+def predicted(r: TrialResult, steps: int) -> float:
+    """Seconds a whole run like ``r`` would take: the trial's own wall time and the steps it did not run."""
+    return r.wall_s + max(steps - r.steps_done, 0) * (r.step_time or 0.0)
+
+
+def plan(search: Any, base_s: float | None, cand_s: float | None) -> tuple[float | None, str | None]:
+    """(seconds the whole-run pairs are expected to take, each baseline run ``base_s`` and each candidate run
+    ``cand_s``, else None; why none run, where a reason deserves saying)."""
+    s = search
+    if not s.o.whole_runs or not s.train_steps or base_s is None or cand_s is None:
+        return None, None
+    if s.o.train_steps:
+        return None, (f"--train-steps {s.o.train_steps} sets the run's length, so the script's own whole run is not "
+                      "the run it means")
+    need = s.o.whole_runs * (base_s + cand_s)
+    if s.o.budget and need > BUDGET_SHARE * s.o.budget:
+        return None, (f"{s.o.whole_runs} pairs of whole runs would take about {duration(need)}, more than "
+                      f"{BUDGET_SHARE:.0%} of the time budget")
+    return need, None
+
+
+def measure(search: Any, c: Confirmation) -> Confirmation:
+    """Run ``c``'s whole-run pairs (alternating which arm goes first) as far as the budget allows, and keep ``c``
+    only where they show its whole run no slower than the baseline's."""
+    s = search
+    steps = s.train_steps
+    base = [predicted(r, steps) for r in c.baseline if r.measured] if steps else []
+    cand = [predicted(r, steps) for r in c.candidate if r.measured] if steps else []
+    need, why = plan(s, statistics.median(base) if base else None, statistics.median(cand) if cand else None)
+    if need is None:
+        return replace(c, whole=WholeRuns(s.train_steps, skipped=why)) if why else c
+    key, me = config_key(c.config), s.machine.key
+    base_config = s.space.baseline()
+    pair_s = need / s.o.whole_runs
+    stopped = None
+    s.display.note(f"your whole run: {s.o.whole_runs} A/B pairs of whole runs (process start to exit, your "
+                   f"arguments), about {duration(need)}")
+    for j in range(s.o.whole_runs):
+        if s.clock() + RUN_MARGIN * pair_s > s.hard_end:
+            stopped = f"the time budget ran out after {j} of {s.o.whole_runs} pairs"
+            break
+        for arm in ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline"):
+            s._refresh()
+            what = claim_key(ROLE_WHOLE, me, key, j, arm)
+            if (j, arm) in arms(s.results, key, me) or what in s._claims:
+                continue  # measured, or being measured by another worker on this machine
+            attrs = {"candidate": key, "pair": j, "arm": arm}
+            s._trial(base_config if arm == "baseline" else c.config, ROLE_WHOLE, attrs, what)
+        got = judge(arms(s.results, key, me), s.train_steps)
+        if got.failed is not None:
+            break  # the tuned script's run fails: no more pairs needed to say so
+    return kept(c, judge(arms(s.results, key, me), s.train_steps, stopped))
