@@ -271,6 +271,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         timeout=args.timeout,
         confirm=args.confirm,
         whole_runs=args.whole_runs,
+        compile_cache=args.compile_cache,
         launcher=args.launcher,
         train_steps=args.train_steps,
         isolation=args.isolation,
@@ -416,6 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="A/B pairs of whole runs, process start to exit, that check the winner where your run's length is known "
         "and the budget covers them (default 3; 0: none)",
+    )
+    search.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_false",
+        help="where the tuned script compiles, do not carry what the search compiled to it (compile_cache.bin and the "
+        "lines that load it)",
     )
     search.add_argument(
         "--launcher",

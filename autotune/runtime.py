@@ -385,6 +385,25 @@ def _wrap_torch_save() -> None:
     torch.save = checked_save
 
 
+def _save_compile_cache(path: str) -> None:
+    """What torch.compile compiled in this process (and found in its caches), as one file at ``path``, for the tuned
+    script to load (torch.compiler.save_cache_artifacts: the inductor and AOTAutograd caches' entries). Nothing
+    where nothing was compiled; a torch that cannot is left alone (the tuned script then compiles as usual)."""
+    torch = sys.modules.get("torch")
+    save = getattr(getattr(torch, "compiler", None), "save_cache_artifacts", None)
+    if save is None:
+        return
+    try:
+        got = save()
+        if got:
+            tmp = Path(path).with_suffix(".tmp")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(got[0])
+            os.replace(tmp, path)
+    except Exception:  # (a cache this torch cannot serialize: only the carried cache is lost, never the run)
+        pass
+
+
 def _start_trial() -> _Trial | None:
     spec_path = os.environ.get(TRIAL_ENV)
     if not spec_path:
@@ -402,6 +421,8 @@ def _start_trial() -> _Trial | None:
 
     sys.excepthook = hook
     atexit.register(lambda: trial.write("short", error=f"script ended after {trial.count} steps"))
+    if spec.get("compile_cache") and trial.rank == 0:  # (registered last: runs first at exit)
+        atexit.register(_save_compile_cache, spec["compile_cache"])
     pids = spec.get("pids")
     if pids:  # a launcher may start its ranks in sessions of their own: the search kills them by these ids
         Path(pids).mkdir(parents=True, exist_ok=True)

@@ -290,7 +290,7 @@ class FakeRunner:
     def resize(self, warmup, steps):
         self.steps = steps  # (the fake's warm-up is one step, whatever is asked)
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):  # (whole, compile_cache: unused)
         from autotune.search.trial import Outcome, TrialResult
 
         step = self.base_step / cpu_fake_speed(config)
@@ -419,7 +419,7 @@ class ChaoticRunner(FakeRunner):
 
     perturbed_drift = 0.02
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):  # (whole, compile_cache: unused)
         result = super().run(config, role, timeout, on_start, attrs)
         drift = self.perturbed_drift if (attrs or {}).get("threads") else 0.0
         if config.get("fused_optimizer.impl", "default") != "default":
@@ -465,7 +465,7 @@ class DriftingGpuRunner(FakeRunner):
 
     drift = 0.01
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):  # (whole, compile_cache: unused)
         result = super().run(config, role, timeout, on_start, attrs)
         nth = sum(r == "baseline" for _, r, _ in self.runs)
         scale = 0.0 if nth == 1 else self.drift * (1.0 if nth == 2 else 1.5)
@@ -544,7 +544,7 @@ def test_knob_values_read_from_a_study_are_shown_as_code_and_odd_ones_are_named_
 class BlindRunner(FakeRunner):
     """A script whose loss autotune cannot see (computed inside a call): every run records no loss."""
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):  # (whole, compile_cache: unused)
         return super().run(config, role, timeout, on_start, attrs).with_(losses=())
 
 
@@ -627,7 +627,7 @@ def test_on_a_noisy_machine_a_simpler_configuration_one_run_found_faster_must_wi
 class NoisyRunner(FakeRunner):
     """The second baseline run is 60% slower than the first, while the load average says other work ran."""
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):  # (whole, compile_cache: unused)
         result = super().run(config, role, timeout, on_start, attrs)
         nth = len(self.runs)
         slow = 1.6 if nth == 2 else 1.0
@@ -749,7 +749,7 @@ class CheapStepRunner(FakeRunner):
     def resize(self, warmup, steps):
         self.warmup, self.steps = warmup, steps
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):  # (whole, compile_cache: unused)
         from autotune.search.trial import Outcome, TrialResult
 
         self.lengths.append((self.warmup, self.steps))
@@ -924,7 +924,7 @@ class CachingRunner(FakeRunner):
         super().__init__(clock)
         self.warm, self.seen = warm, set()
 
-    def run(self, config, role, timeout, on_start=None, attrs=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):  # (whole, compile_cache: unused)
         key = tuple(sorted(config.items()))
         cold, self.compile_s = self.compile_s, (1.0 if self.warm and key in self.seen else self.compile_s)
         self.seen.add(key)
@@ -1125,14 +1125,21 @@ class LengthRunner(FakeRunner):
 
     run_steps = 30
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.caches = []  # (role, arm, compile.mode, where the run was asked to leave what it compiled)
+
     @staticmethod
     def after(config):
         return 2.0
 
-    def run(self, config, role, timeout, on_start=None, attrs=None, whole=False):
+    def run(self, config, role, timeout, on_start=None, attrs=None, whole=False, compile_cache=None):
         from autotune.search.trial import Outcome
 
         assert whole == (role == "whole")
+        self.caches.append((role, (attrs or {}).get("arm"), config.get("compile.mode", "none"), compile_cache))
+        if compile_cache is not None:  # as the runtime does at exit: what this run compiled
+            compile_cache.write_bytes(f"compiled by run {len(self.runs)}".encode())
         r = super().run(config, role, timeout, on_start, attrs).with_(
             run_steps=self.run_steps, run_steps_from=f"range(epochs) 1 x len(loader) {self.run_steps}, read as the loops started")
         if whole and r.status is Outcome.OK:
@@ -1238,3 +1245,34 @@ def test_whole_runs_off_or_not_the_users_run_measure_none(options, said, tmp_pat
     assert out.winner is not None
     assert out.whole_run.startswith("steady state ")
     assert out.whole_run.endswith(f"predicted from the A/B pairs{'; ' + said if said else ''})"), out.whole_run
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_what_the_winners_runs_compiled_goes_beside_the_tuned_script_which_loads_it(carry, tmp_path, monkeypatch):
+    """A long run keeps compile; the confirmation's candidate runs leave what they compiled, and the latest one's goes
+    beside the tuned script, whose first lines load it (--no-compile-cache: neither)."""
+    search, runner = _length_search(tmp_path, monkeypatch, compile_cache=carry)
+    runner.run_steps = 100_000
+    out = search.run()
+    assert out.winner is not None and out.chosen["compile.mode"] != "none"
+    asked = [(role, arm) for role, arm, mode, cache in runner.caches if cache is not None]
+    if carry:  # only the candidate arms of the confirmation (no whole runs: 100,000 steps do not fit)
+        assert asked and set(asked) == {("confirm", "candidate")}
+        assert all(mode != "none" for role, arm, mode, cache in runner.caches if cache is not None)
+    else:
+        assert asked == []
+    from autotune.search.report import write_outputs
+
+    written = write_outputs(out)
+    cache = tmp_path / "out" / "compile_cache.bin"
+    tuned = written.entry.read_text()
+    doc = yaml.safe_load((tmp_path / "out" / "autotune.yaml").read_text())
+    assert not (tmp_path / "out" / ".compile-caches").exists()
+    if carry:
+        last = max(i for i, (role, arm, mode, c) in enumerate(runner.caches) if c is not None)
+        assert cache.read_bytes() == f"compiled by run {last}".encode()  # the latest run's
+        assert cache in written.files and "_autotune_compile_cache()" in tuned
+        assert doc["compile_cache"] == {"file": "compile_cache.bin", "bytes": cache.stat().st_size}
+        assert "The tuned script loads `compile_cache.bin`" in (tmp_path / "out" / "report.md").read_text()
+    else:
+        assert not cache.exists() and "_autotune_compile_cache" not in tuned and doc["compile_cache"] is None

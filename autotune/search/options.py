@@ -46,6 +46,7 @@ class SearchOptions:
     timeout: float | None = None
     confirm: int = 5
     whole_runs: int = 3  # A/B pairs of whole runs (process start to exit) that check the winner; 0: none
+    compile_cache: bool = True  # carry what the winner's runs compiled to the tuned script (autotune.compile_cache)
     baseline_every: int = 4
     seed: int = 0
     env: Mapping[str, str | None] = field(default_factory=dict)  # extra environment for every trial

@@ -6,6 +6,7 @@ import os
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.project import Project
@@ -102,6 +103,7 @@ class SearchOutcome:
     isolation: str | None = None  # how the trials were kept off the user's files (None: reported from a study)
     run_length: str | None = None  # what the search ranked by: the user's whole run (its length, where from), or why not
     whole_run: str | None = None  # the winner's steady-state ratio and the user's run's time before and after
+    compile_cache: Path | None = None  # where the winner's runs left what they compiled, if it compiles (may be absent)
 
     @property
     def noisy(self) -> str | None:

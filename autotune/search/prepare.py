@@ -14,6 +14,7 @@ from autotune.analysis import RUNTIME_ALIAS
 from autotune.project import Project, load_project
 from autotune.bake import check_out_dir
 from autotune.errors import NoTrainingLoop, UsageError
+from autotune.compile_cache import CACHE_NAME
 from autotune.files import PLOT_NAME, REPORT_NAME
 from autotune.patch import PatchResult, run, select
 from autotune.search.budget import check_pairs
@@ -107,7 +108,7 @@ def prepare(options: SearchOptions, about: Mapping[str, Any] | None = None) -> P
         if device == "cpu" and options.space is None:  # (a space file of the user's is taken as written)
             space = fit_threads(space, thread_counts(options.env, bool(launcher))[0], os.cpu_count() or 1)
         start, expensive = start_of(device, wanted, options.space is not None)
-    out = check_out_dir(options.out, project, (REPORT_NAME, PLOT_NAME))
+    out = check_out_dir(options.out, project, (REPORT_NAME, PLOT_NAME, CACHE_NAME))
     identity = fingerprint(patch, options, device, space)
     return Prepared(
         project=project,

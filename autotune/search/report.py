@@ -9,12 +9,14 @@ import re
 import shlex
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from autotune import __version__
 from autotune.bake import DIFF_NAME, bake, check_out_dir, write_baked
+from autotune.compile_cache import CACHE_NAME, CACHES_NAME, with_loader
 from autotune.files import PLOT_NAME, REPORT_NAME, write_file
 from autotune.knobs import Numerics
 from autotune.patch import CONFIG_NAME
@@ -110,6 +112,8 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
             "warning": o.noisy,
             "startup": o.startup,
             "whole_run": o.whole_run,
+            # what the chosen configuration's runs compiled, beside the tuned script, which loads it
+            "compile_cache": {"file": CACHE_NAME, "bytes": cache.stat().st_size} if (cache := carried_cache(o)) else None,
             "objective": o.run_length or "steady-state speed",
             "max_loss_deviation": _r(max_dev, 3),
             "loss_tolerance": _r(tol, 3),
@@ -188,11 +192,21 @@ def _baseline_reason(o: SearchOutcome) -> str:
     return "the baseline wins: no configuration was faster than the baseline runs before it"
 
 
+def carried_cache(o: SearchOutcome) -> Path | None:
+    """What the chosen configuration's runs compiled, where the search kept it and the tuned script compiles."""
+    cache = o.compile_cache
+    return cache if cache is not None and o.options.compile_cache and cache.is_file() else None
+
+
 def write_outputs(o: SearchOutcome) -> Written:
     """Bake the chosen configuration and write every output file into the output folder."""
-    out = check_out_dir(o.options.out, o.project, (REPORT_NAME, PLOT_NAME))  # again: the search took a while
+    out = check_out_dir(o.options.out, o.project, (REPORT_NAME, PLOT_NAME, CACHE_NAME))  # again: the search took a while
     chosen = o.chosen
     baked = bake(o.project, chosen, o.device)
+    cache = carried_cache(o)
+    if cache is not None:  # the tuned script loads it, first thing
+        entry = baked.files[0]
+        baked = replace(baked, files=(replace(entry, new_text=with_loader(entry.new_text)), *baked.files[1:]))
     entry_rel = baked.files[0].rel
     hashes = {f.rel.as_posix(): hashlib.sha256(f.facts.source.encode("utf-8")).hexdigest() for f in baked.files}
     doc = summary_doc(o, hashes[entry_rel.as_posix()], hashes)
@@ -202,6 +216,12 @@ def write_outputs(o: SearchOutcome) -> Written:
         f"{shlex.quote(o.project.entry.display)} --config {shlex.quote(str(out / CONFIG_NAME))}\n"
     )
     files = write_baked(baked, out, doc, header)
+    carried = out / entry_rel.parent / CACHE_NAME
+    if cache is not None:
+        files.append(write_file(carried, cache.read_bytes()))
+    else:
+        carried.unlink(missing_ok=True)  # (an older search's, for a configuration that is no longer chosen)
+    shutil.rmtree(out / CACHES_NAME, ignore_errors=True)
     plot, skipped = write_plot(o, out / PLOT_NAME)
     report = write_file(out / REPORT_NAME, report_markdown(o, doc, plot, skipped))
     files += [p for p in (plot, report) if p is not None]
@@ -274,6 +294,12 @@ def _verdict_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
             lines.append(f"Your whole run: {o.whole_run}.")
         if o.startup:
             lines.append(f"It has a one-time cost: {o.startup}.")
+        if doc.get("compile_cache"):
+            lines.append(
+                f"The tuned script loads `{CACHE_NAME}` ({doc['compile_cache']['bytes'] / 1024:.0f} KiB beside it: what "
+                "this configuration's runs compiled), so that its first run on this torch and machine finds the "
+                "compiler's caches warm; what that saves was not measured by the search (`--no-compile-cache`: "
+                "neither).")
     else:
         lines.append(f"**The baseline wins:** {_plain(doc['verdict'].removeprefix('the baseline wins: '))}. "
                      "The tuned script is the original, unchanged.")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import shutil
 import signal
 import statistics
@@ -46,6 +48,7 @@ from autotune.search.space import config_key
 from autotune.search.strategy import Plan, label, sign_test
 from autotune.search.view import StudyView
 from autotune.search import whole
+from autotune.compile_cache import CACHE_NAME, CACHES_NAME
 from autotune.search.storage import open_storage
 from autotune.search.study import (
     ROLE_BASELINE,
@@ -250,6 +253,7 @@ class Search:
             interactions=knob_worth(self.view(), self.space, winner.config) if winner else (),
             startup=startup(winner, self._compiles(winner.config), self.o.warmup, self.train_steps) if winner else None,
             whole_run=whole_run(winner, self.train_steps, self.o.warmup) if winner else None,
+            compile_cache=self._cache_of(winner.config, ROLE_CONFIRM, {"arm": "candidate"}) if winner else None,
             run_length=self.run_length_note(),
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
@@ -647,14 +651,23 @@ class Search:
         first = self._reference() is None and role == ROLE_BASELINE
         self.display.trial_started(config, role)
         timeout, cut = self._timeout(config, self._reserve_now, to_end=role == ROLE_WHOLE)
+        cache = self._cache_of(config, role, attrs)
         if code is None:
             error = f"autotune cannot write this configuration as code: {self.programs.bake_errors[config_key(config)]}"
             result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
         else:
+            more = {"whole": True} if role == ROLE_WHOLE else {}
+            if cache is not None:
+                more["compile_cache"] = (self.out / WORK_NAME / CACHE_NAME).resolve()
+                more["compile_cache"].parent.mkdir(parents=True, exist_ok=True)
+                more["compile_cache"].unlink(missing_ok=True)
             result = self.runner.run(
                 config, role, timeout, on_start=lambda pid: self.store.started(trial, pid, timeout), attrs=attrs,
-                **({"whole": True} if role == ROLE_WHOLE else {}),
+                **more,
             )
+            if cache is not None and result.status is Outcome.OK and more["compile_cache"].is_file():
+                cache.parent.mkdir(exist_ok=True)
+                os.replace(more["compile_cache"], cache)  # the latest run's: the caches as warm as they get
         result = self._trim(result.with_(number=trial.number, host=self.machine.host, device_name=self.machine.device))
         if cut and result.status is Outcome.TIMEOUT:  # the budget ran out, not the run's own time: no measurement
             result = result.with_(
@@ -683,6 +696,15 @@ class Search:
         if first and result.status is not Outcome.OK:
             self._baseline_failed(result)
         return result
+
+    def _cache_of(self, config: Mapping[str, Any], role: str, attrs: Mapping[str, Any] | None) -> Path | None:
+        """Where a candidate's run that compiles keeps what it compiled, for the tuned script (None: no such run):
+        the confirmation's and the whole runs' candidate arms."""
+        if (not self.o.compile_cache or role not in (ROLE_CONFIRM, ROLE_WHOLE) or (attrs or {}).get("arm") != "candidate"
+                or not self._compiles(config)):
+            return None
+        digest = hashlib.sha256(config_key(config).encode()).hexdigest()[:16]
+        return self.out / CACHES_NAME / f"{digest}.bin"
 
     def _baseline_failed(self, result: TrialResult) -> None:
         if result.status is Outcome.SHORT and self._asked is not None:  # the script ends before the longer runs do

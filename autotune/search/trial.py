@@ -534,9 +534,12 @@ class Runner:
         on_start: Callable[[int], None] | None = None,
         attrs: Mapping[str, Any] | None = None,
         whole: bool = False,
+        compile_cache: Path | None = None,
     ) -> TrialResult:
         """Run one trial; a failure is a typed result, never an exception (KeyboardInterrupt still propagates).
-        ``whole``: the script runs on past the measured window to its own end, and ``wall_s`` is its whole run."""
+        ``whole``: the script runs on past the measured window to its own end, and ``wall_s`` is its whole run.
+        ``compile_cache``: where the run leaves what torch.compile compiled, as it exits (the folder must be one the
+        trial writes for real: the search's own)."""
         self._count += 1
         tdir = self.work / "trials" / f"{self._count:04d}"
         if tdir.exists():
@@ -544,7 +547,7 @@ class Runner:
         tdir.mkdir(parents=True)
         iso: Isolation | None = None
         try:
-            cmd, cwd, env = self._setup(tdir, config, attrs, whole)
+            cmd, cwd, env = self._setup(tdir, config, attrs, {"whole": whole, "compile_cache": compile_cache and str(compile_cache)})
             if self.settings.isolation == OVERLAY:
                 iso = Isolation.make(protected(self.settings), _kept(self.work.resolve()))
                 cmd = iso.command(iso.write(tdir / "isolate.json"), cmd)
@@ -558,7 +561,7 @@ class Runner:
             shutil.rmtree(tdir, ignore_errors=True)
 
     def _setup(
-        self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None, whole: bool = False
+        self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None, more: Mapping[str, Any] | None = None
     ) -> tuple[list[str], Path, dict[str, str]]:
         """Write the trial's config and spec into ``tdir``; its command, working directory and environment."""
         s = self.settings
@@ -566,8 +569,7 @@ class Runner:
         (tdir / "config.yaml").write_text(yaml.safe_dump({"device": s.device, "knobs": knobs}), encoding="utf-8")
         result_path = tdir / "result.json"
         # the search's own pid: under a launcher the trial's ranks are not its children, yet end when it dies
-        spec = {"warmup": s.warmup, "steps": s.steps, "result": str(result_path), "search_pid": os.getpid(),
-                "whole": whole}
+        spec = {"warmup": s.warmup, "steps": s.steps, "result": str(result_path), "search_pid": os.getpid(), **(more or {})}
         # the trial's working directory is a mirror of the user's: a checkpoint it saves lands here, not on theirs
         own = self.work.resolve()
         cwd = mirror(s.cwd, tdir / "cwd", own)
