@@ -312,7 +312,7 @@ def test_two_workers_share_one_study(tmp_path, shared):
             assert json.loads(t.user_attrs["claim"])[1] == f"{r['host']} ({r['device_name']})"
 
     report = autotune_report(tmp_path, storage, "two")
-    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|perturbed|search|confirm|duel) \|", line)]
+    rows = [line for line in report.splitlines() if re.match(r"\| \d+ \| (baseline|perturbed|search|confirm|duel|whole) \|", line)]
     assert len(rows) == len(done)
     if hosts[0]:
         machines = next(line for line in report.splitlines() if line.startswith("- Machines: "))

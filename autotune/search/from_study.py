@@ -9,7 +9,7 @@ from autotune.search.live import QuietDisplay
 from autotune.search.options import SearchOptions
 from autotune.search.outcome import SearchOutcome
 from autotune.search.search import Search
-from autotune.search import whole
+from autotune.search.whole import arms as whole_arms, judge as judge_whole, kept
 from autotune.search.space import config_key
 from autotune.search.storage import open_storage
 from autotune.search.study import ROLE_CONFIRM, StudyStore
@@ -73,8 +73,8 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
         config = next((r.config for (_, arm), r in got.items() if arm == "candidate"), None)
         if config is not None:  # (a pair stopped before its candidate ran confirms nothing)
             c = s._verdict(dict(config), got, None, speeds.get(key), machine)
-            runs = whole.arms(s.results, key, machine)
-            confirmations.append(whole.kept(c, whole.judge(runs, s.train_steps)) if runs else c)
+            runs = whole_arms(s.results, key, machine)
+            confirmations.append(kept(c, judge_whole(runs, s.train_steps)) if runs else c)
     accepted = [c for c in confirmations if c.accepted]
     winner = max(accepted, key=lambda c: c.speedup) if accepted else None
     if winner:

@@ -47,7 +47,7 @@ from autotune.search.machine import Machine, this_machine
 from autotune.search.space import config_key
 from autotune.search.strategy import Plan, label, sign_test
 from autotune.search.view import StudyView
-from autotune.search import whole
+from autotune.search.whole import measure as measure_whole, plan as plan_whole, predicted as predicted_whole
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME
 from autotune.search.storage import open_storage
 from autotune.search.study import (
@@ -182,7 +182,7 @@ class Search:
             try:
                 stopped = self._explore()
                 self.reserved_s = self._reserve() if math.isfinite(self.deadline) else None
-                confirmations = [whole.measure(self, c) if c.accepted else c for c in confirm_candidates(self)]
+                confirmations = [measure_whole(self, c) if c.accepted else c for c in confirm_candidates(self)]
             except UsageError:  # a refusal (the budget too small for one run, a script too short): nothing written
                 self._refused = fresh
                 raise
@@ -442,8 +442,8 @@ class Search:
         steps, found = self.train_steps, self._found_length()
         if not steps or found is None or not found.measured:
             return 0.0
-        base = whole.predicted(found, steps)
-        need, _ = whole.plan(self, base, base + max(cost - self._estimate(), 0.0))
+        base = predicted_whole(found, steps)
+        need, _ = plan_whole(self, base, base + max(cost - self._estimate(), 0.0))
         return need or 0.0
 
     def _pairs_kept(self) -> int:
@@ -467,7 +467,7 @@ class Search:
             timeout = self.o.timeout
         else:
             steps = self.train_steps
-            walls = [whole.predicted(r, steps) if to_end and steps else r.wall_s for r in self._baselines()]
+            walls = [predicted_whole(r, steps) if to_end and steps else r.wall_s for r in self._baselines()]
             timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
             if self._compiles(config):
                 timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)

@@ -12,60 +12,20 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from autotune.search.budget import RUN_MARGIN
 from autotune.search.live import duration
-from autotune.search.outcome import Confirmation
+from autotune.search.outcome import Confirmation, WholeRuns
 from autotune.search.space import config_key
 from autotune.search.study import ROLE_WHOLE, claim_key
 from autotune.search.trial import Outcome, TrialResult
 
-# a winner whose whole run is slower than the baseline's by more than this (the median of the pairs, and slower in
-# most of them) is not kept: the issue's "never slower, within noise" is 1.05x
-SLOWER = 1.05
 # whole runs are measured only where their pairs take at most this share of the time budget: a long run is
 # predicted from the A/B pairs, which measure the same steps
 BUDGET_SHARE = 0.5
 UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)
-
-
-@dataclass(frozen=True)
-class WholeRuns:
-    """What the whole-run pairs of one candidate measured (or why none ran)."""
-
-    steps: int | None  # the run's length in optimizer steps, as the search found it
-    pairs: tuple[tuple[float, float], ...] = ()  # (baseline seconds, candidate seconds), process start to exit
-    failed: TrialResult | None = None  # a candidate run that failed: the tuned script's run would fail too
-    skipped: str | None = None  # why none (or not all) ran
-
-    @property
-    def ratios(self) -> tuple[float, ...]:
-        return tuple(b / c for b, c in self.pairs)
-
-    @property
-    def speedup(self) -> float | None:
-        return statistics.median(self.ratios) if self.pairs else None
-
-    @property
-    def slower(self) -> bool:
-        """Slower than the baseline beyond the noise SLOWER allows, in the median and in most pairs."""
-        r = self.ratios
-        return bool(r) and statistics.median(r) < 1 / SLOWER and sum(x < 1.0 for x in r) * 2 > len(r)
-
-    def text(self) -> str:
-        """``your 240-step run, whole (process start to exit, 3 A/B pairs): 24.1s -> 19.8s (1.22x, 1.18x to
-        1.25x)``; or why it was not measured."""
-        if not self.pairs:
-            return f"whole runs not measured: {self.skipped}" if self.skipped else "whole runs not measured"
-        before = statistics.median(b for b, _ in self.pairs)
-        after = statistics.median(c for _, c in self.pairs)
-        r = self.ratios
-        spread = f", {min(r):.2f}x to {max(r):.2f}x" if len(r) > 1 else ""
-        cut = f"; {self.skipped}" if self.skipped else ""
-        return (f"your {self.steps}-step run measured whole (process start to exit, {len(r)} A/B pair"
-                f"{'s' if len(r) != 1 else ''}): {before:.1f}s -> {after:.1f}s ({self.speedup:.2f}x{spread}){cut}")
 
 
 def arms(results: list[TrialResult], key: str, machine: str) -> dict[tuple[int, str], TrialResult]:
