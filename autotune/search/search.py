@@ -429,11 +429,14 @@ class Search:
         """The time set aside for confirming ``config`` (or the best candidate so far): ``_pairs_kept()`` A/B pairs,
         with the margin a single run gets (runs vary: makemore's fifth pair was cut by the budget with four of four
         faster)."""
+        ranked = self.candidates()
         if config is None:
-            ranked = self.candidates()
             config = ranked[0][0] if ranked else None
         cost = self._repeat_cost(config) if config is not None else self._estimate()
-        return RUN_MARGIN * (self._pairs_kept() * (self._estimate() + cost) + self._whole_reserve(cost))
+        # the whole runs only once a candidate passed: before that they would only stop the search from finding one
+        # (a Trainer fine-tune's search gave up with 220 s of 300 left, the whole runs' share counted)
+        whole = self._whole_reserve(cost) if ranked else 0.0
+        return RUN_MARGIN * (self._pairs_kept() * (self._estimate() + cost) + whole)
 
     def _whole_reserve(self, cost: float) -> float:
         """The time the winner's whole-run pairs are expected to take (0 where none will run): each run as the
