@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="a new, empty compiler cache for every run")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- the script's own arguments")
-    o = parser.parse_args(argv)
-    args = o.args[1:] if o.args[:1] == ["--"] else o.args
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    o = parser.parse_args(argv[:cut])
+    args = argv[cut + 1:]  # the script's own arguments, after --
     project = load_project(o.script.resolve())
     config = {"compile.mode": o.mode}
     with tempfile.TemporaryDirectory(prefix="compile-cache-bench-") as tmp:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = TrialSettings(tuple(args), o.script.resolve().parent, device, 2, 5, {})
         result = Runner(run(project), top / "work", settings).run(config, "confirm", o.timeout, compile_cache=saved)
         if result.status is not Outcome.OK or not saved.is_file():
-            raise SystemExit(f"the trial run left no compile cache: {result.status} {result.error or ''}")
+            raise SystemExit(f"the trial run left no compile cache: {result.status} {result.error or ''}\n{result.stderr_tail}")
         text = with_loader(bake(project, config, settings.device).files[0].new_text)
         for arm in ("with", "without"):
             (top / arm).mkdir()
