@@ -25,11 +25,13 @@ MIN_GAIN = 0.01  # a candidate is kept only when its median speedup is above 1 +
 UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)  # runs that measured nothing: evidence neither way
 
 
-def arms(results: list[TrialResult], key: str, machine: str) -> dict[tuple[int, str], TrialResult]:
-    """The confirmation runs of candidate ``key`` on ``machine``: (pair, arm) -> result."""
+def arms(
+    results: list[TrialResult], key: str, machine: str, role: str = ROLE_CONFIRM
+) -> dict[tuple[int, str], TrialResult]:
+    """The confirmation runs (or the whole runs: ``role``) of candidate ``key`` on ``machine``: (pair, arm) -> result."""
     got = {}
     for r in results:
-        if r.role == ROLE_CONFIRM and r.attrs.get("candidate") == key and r.machine == machine:
+        if r.role == role and r.attrs.get("candidate") == key and r.machine == machine:
             got[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
     return got
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from autotune.search.budget import RUN_MARGIN
+from autotune.search.confirm import arms as confirm_arms
 from autotune.search.live import duration
 from autotune.search.outcome import Confirmation, WholeRuns
 from autotune.search.space import config_key
@@ -30,11 +31,7 @@ UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)
 
 def arms(results: list[TrialResult], key: str, machine: str) -> dict[tuple[int, str], TrialResult]:
     """The whole runs of candidate ``key`` on ``machine``: (pair, arm) -> result."""
-    got = {}
-    for r in results:
-        if r.role == ROLE_WHOLE and r.attrs.get("candidate") == key and r.machine == machine:
-            got[(int(r.attrs.get("pair", -1)), str(r.attrs.get("arm")))] = r
-    return got
+    return confirm_arms(results, key, machine, ROLE_WHOLE)
 
 
 def judge(got: Mapping[tuple[int, str], TrialResult], steps: int | None, skipped: str | None = None) -> WholeRuns:
