@@ -104,6 +104,7 @@ class _Trial:
         # a whole run: the window's result is written as usual, then the script runs on to its own end (the search
         # times the process from start to exit: start-up, compile, evaluation passes and their recompiles)
         self.whole = bool(spec.get("whole"))
+        self.cache_loaded: bool | None = None  # whether a carried compile cache loaded (None: none was given)
         self.started = time.perf_counter()
         self.count = 0
         self.stamps: list[float] = []
@@ -251,6 +252,7 @@ class _Trial:
             "error_types": list(error_types),  # qualified names along the exception's MRO: oom, compile errors
             "run_steps": run_steps,  # the optimizer steps of the user's whole run, where they were read
             "run_steps_from": run_steps_from,
+            "compile_cache_loaded": self.cache_loaded,
             "applied": applied(),  # knobs that took effect: see took_effect
             "rank": self.rank,
             "local_rank": self.local_rank,
@@ -404,6 +406,18 @@ def _save_compile_cache(path: str) -> None:
         pass
 
 
+def _load_compile_cache(path: str) -> bool:
+    """Load ``path`` (a file _save_compile_cache wrote) into the compiler's caches, as the tuned script's loader
+    does (autotune.compile_cache): whether torch took it."""
+    try:
+        import torch
+
+        with open(path, "rb") as f:
+            return torch.compiler.load_cache_artifacts(f.read()) is not None
+    except Exception:  # (a missing file, another torch: the run compiles as usual, as the tuned script's would)
+        return False
+
+
 def _start_trial() -> _Trial | None:
     spec_path = os.environ.get(TRIAL_ENV)
     if not spec_path:
@@ -412,6 +426,8 @@ def _start_trial() -> _Trial | None:
     if spec.get("mirror"):
         _keep_user_files(spec["mirror"], spec["cwd"], spec["own"], bool(spec.get("isolated")))
     trial = _Trial(spec)
+    if spec.get("load_compile_cache"):  # first thing, as the tuned script's loader at its top
+        trial.cache_loaded = _load_compile_cache(spec["load_compile_cache"])
     previous_hook = sys.excepthook
 
     def hook(exc_type, exc, tb):

@@ -10,14 +10,12 @@ Prints each arm's median, the paired ratios (with / without) and the load averag
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_whole_run import timed  # noqa: E402
+from bench_whole_run import compare  # noqa: E402
 
 from autotune.bake import bake  # noqa: E402
 from autotune.compile_cache import CACHE_NAME, with_loader  # noqa: E402
@@ -55,19 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             (top / arm / project.entry.path.name).write_text(text)
         (top / "with" / CACHE_NAME).write_bytes(saved.read_bytes())
         print(f"{CACHE_NAME}: {saved.stat().st_size / 1024:.0f} KiB")
-        times: dict[str, list[float]] = {"with": [], "without": []}
-        loads = []
-        for j in range(o.pairs):
-            for arm in ("without", "with") if j % 2 == 0 else ("with", "without"):
-                times[arm].append(timed(top / arm / project.entry.path.name, args, o.script.resolve().parent, o.cold,
-                                        o.timeout))
-                loads.append(os.getloadavg()[0])
-            print(f"pair {j + 1}: without {times['without'][-1]:.1f}s, with {times['with'][-1]:.1f}s", flush=True)
-    ratios = [w / wo for w, wo in zip(times["with"], times["without"])]
-    print(f"{'cold' if o.cold else 'warm'} compiler caches, {o.pairs} interleaved pairs, whole runs: without the file "
-          f"median {statistics.median(times['without']):.1f}s, with it {statistics.median(times['with']):.1f}s; "
-          f"with/without {statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}); "
-          f"load {min(loads):.1f}..{max(loads):.1f}")
+        compare({"without": top / "without" / project.entry.path.name, "with": top / "with" / project.entry.path.name},
+                args, o.script.resolve().parent, o.pairs, o.cold, o.timeout)
     return 0
 
 

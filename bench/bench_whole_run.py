@@ -37,6 +37,23 @@ def timed(script: Path, args: list[str], cwd: Path, cold: bool, timeout: float) 
     return took
 
 
+def compare(arms: dict[str, Path], args: list[str], cwd: Path, pairs: int, cold: bool, timeout: float) -> None:
+    """Run the two ``arms`` (name: script) in ``pairs`` interleaved pairs, the order swapped every pair; print each
+    pair, each arm's median and the paired ratios (second / first) with their spread and the load average."""
+    (a, b), times = arms, {name: [] for name in arms}
+    loads = [os.getloadavg()[0]]
+    for pair in range(pairs):
+        for arm in (a, b) if pair % 2 == 0 else (b, a):
+            times[arm].append(timed(arms[arm], args, cwd, cold, timeout))
+        loads.append(os.getloadavg()[0])
+        print(f"pair {pair + 1}: {a} {times[a][-1]:.1f}s, {b} {times[b][-1]:.1f}s", flush=True)
+    ratios = [y / x for x, y in zip(times[a], times[b])]
+    print(f"{'cold' if cold else 'warm'} compiler caches, {pairs} interleaved pairs, whole runs from process start "
+          f"to exit: {a} median {statistics.median(times[a]):.1f}s, {b} median {statistics.median(times[b]):.1f}s; "
+          f"{b}/{a} {statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}); "
+          f"load {min(loads):.1f}..{max(loads):.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("original", type=Path)
@@ -48,21 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     o = parser.parse_args(argv[:cut])
     args = argv[cut + 1:]  # the script's own arguments, after --
-    cwd = o.original.resolve().parent
-    times: dict[str, list[float]] = {"original": [], "tuned": []}
-    loads = [os.getloadavg()[0]]
-    for pair in range(o.pairs):
-        order = ("original", "tuned") if pair % 2 == 0 else ("tuned", "original")
-        for arm in order:
-            script = (o.original if arm == "original" else o.tuned).resolve()
-            times[arm].append(timed(script, args, cwd, o.cold, o.timeout))
-        loads.append(os.getloadavg()[0])
-        print(f"pair {pair + 1}: original {times['original'][-1]:.1f}s, tuned {times['tuned'][-1]:.1f}s", flush=True)
-    ratios = [t / b for t, b in zip(times["tuned"], times["original"])]
-    print(f"{'cold' if o.cold else 'warm'} compiler caches, {o.pairs} interleaved pairs, whole runs from process start "
-          f"to exit: original median {statistics.median(times['original']):.1f}s, tuned median "
-          f"{statistics.median(times['tuned']):.1f}s; tuned/original {statistics.median(ratios):.2f} "
-          f"({min(ratios):.2f}..{max(ratios):.2f}); load {min(loads):.1f}..{max(loads):.1f}")
+    compare({"original": o.original.resolve(), "tuned": o.tuned.resolve()}, args, o.original.resolve().parent,
+            o.pairs, o.cold, o.timeout)
     return 0
 
 

@@ -85,6 +85,13 @@ def test_a_compiling_trial_leaves_its_compiled_code_and_the_tuned_script_loads_i
     assert loaded.returncode == 0, loaded.stderr
     assert "inductor" in loaded.stdout, loaded.stdout
 
+    # the search's measure of what it saves: a run with new, empty compiler caches that loads the file first, as
+    # the tuned script's loader does, and says whether torch took it
+    again = Runner(run(project), tmp_path / "work", settings).run(config, "cache", 300, fresh_caches=True,
+                                                                    load_cache=saved)
+    assert again.status is Outcome.OK and again.compile_cache_loaded is True, again.stderr_tail
+    assert result.compile_cache_loaded is None  # (given none to load)
+
     # the tuned script (the knob baked in, the loader first) trains as the trial did: with the file (an empty
     # compiler cache besides), and with a file it cannot use (the trial's cache: a warm compile, to save time)
     tuned = tmp_path / "tuned"
@@ -99,3 +106,11 @@ def test_a_compiling_trial_leaves_its_compiled_code_and_the_tuned_script_loads_i
         assert done.returncode == 0, (case, done.stderr[-2000:])
         finals.append(done.stdout.strip().splitlines()[-1])
     assert finals[0].startswith("final loss ") and len(set(finals)) == 1, finals
+
+
+def test_a_file_torch_cannot_load_is_said_not_loaded(tmp_path):
+    from autotune.runtime import _load_compile_cache
+
+    (tmp_path / "junk.bin").write_bytes(b"not a cache")
+    assert _load_compile_cache(str(tmp_path / "junk.bin")) is False
+    assert _load_compile_cache(str(tmp_path / "missing.bin")) is False

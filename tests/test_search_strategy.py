@@ -1128,20 +1128,30 @@ class LengthRunner(FakeRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.caches = []  # (role, arm, compile.mode, where the run was asked to leave what it compiled)
+        self.loaded = []  # (pair, arm, the file a cache-saving run was given to load)
+        self.takes_cache = True  # this torch loads a carried cache: its compile then takes 2 s of 20
 
     @staticmethod
     def after(config):
         return 2.0
 
-    def run(self, config, role, timeout, on_start=None, attrs=None, whole=False, compile_cache=None):
+    def run(self, config, role, timeout, on_start=None, attrs=None, whole=False, compile_cache=None,
+            fresh_caches=False, load_cache=None):
         from autotune.search.trial import Outcome
 
-        assert whole == (role == "whole")
+        assert whole == (role == "whole") and fresh_caches == (role == "cache")
         self.caches.append((role, (attrs or {}).get("arm"), config.get("compile.mode", "none"), compile_cache))
         if compile_cache is not None:  # as the runtime does at exit: what this run compiled
             compile_cache.write_bytes(f"compiled by run {len(self.runs)}".encode())
         r = super().run(config, role, timeout, on_start, attrs).with_(
             run_steps=self.run_steps, run_steps_from=f"range(epochs) 1 x len(loader) {self.run_steps}, read as the loops started")
+        if role == "cache":
+            self.loaded.append((attrs["pair"], attrs["arm"], load_cache))
+            if load_cache is not None:
+                took = self.takes_cache and load_cache.is_file()
+                saved = self.compile_s - 2.0 if took else 0.0
+                self.clock.now -= saved
+                r = r.with_(wall_s=r.wall_s - saved, compile_cache_loaded=took)
         if whole and r.status is Outcome.OK:
             rest = (self.run_steps - r.steps_done) * r.step_time
             after = self.after(config)
@@ -1261,9 +1271,15 @@ def test_what_the_winners_runs_compiled_goes_beside_the_tuned_script_which_loads
         assert all(mode != "none" for role, arm, mode, cache in runner.caches if cache is not None)
     else:
         assert asked == []
-    from autotune.search.report import write_outputs
+    import io
+
+    from rich.console import Console
+
+    from autotune.search.report import print_summary, write_outputs
 
     written = write_outputs(out)
+    printed = io.StringIO()
+    print_summary(out, written, Console(file=printed, width=100))
     cache = tmp_path / "out" / "compile_cache.bin"
     tuned = written.entry.read_text()
     doc = yaml.safe_load((tmp_path / "out" / "autotune.yaml").read_text())
@@ -1272,7 +1288,60 @@ def test_what_the_winners_runs_compiled_goes_beside_the_tuned_script_which_loads
         last = max(i for i, (role, arm, mode, c) in enumerate(runner.caches) if c is not None)
         assert cache.read_bytes() == f"compiled by run {last}".encode()  # the latest run's
         assert cache in written.files and "_autotune_compile_cache()" in tuned
+        # what it saves, measured: the winner with empty compiler caches, without and with the file, in 2 pairs
+        assert [(j, arm) for j, arm, _ in runner.loaded] == [(0, "without"), (0, "with"), (1, "with"), (1, "without")]
+        carried = search._cache_path(out.winner.config)
+        assert [f for _, arm, f in runner.loaded if arm == "with"] == [carried, carried]
+        assert [f for _, arm, f in runner.loaded if arm == "without"] == [None, None]
+        assert out.cache_saving.saved == (18.0, 18.0)
+        saving = doc["compile_cache"].pop("saving")
         assert doc["compile_cache"] == {"file": "compile_cache.bin", "bytes": cache.stat().st_size}
-        assert "The tuned script loads `compile_cache.bin`" in (tmp_path / "out" / "report.md").read_text()
+        assert saving["saved_s"] == 18.0 and saving["loaded"] and len(saving["pairs"]) == 2
+        report = (tmp_path / "out" / "report.md").read_text()
+        assert "The tuned script loads `compile_cache.bin`" in report
+        assert re.search(r"a first run with empty compiler caches took (\d+\.\d)s without it and (\d+\.\d)s with it "
+                         r"\(saves 18\.0s, 18\.0s to 18\.0s; 2 interleaved pairs, each run to the end of its measured "
+                         r"steps\)", report), report
+        from autotune.search.from_study import study_outcome
+        from autotune.search.live import QuietDisplay
+        from autotune.search.search import Search
+
+        again = study_outcome(Search(search.o, QuietDisplay()), search.store)  # autotune report: the same figures
+        assert again.cache_saving == out.cache_saving
+        assert "compile_cache.bin carried to the tuned script: a first run with empty compiler caches took" in \
+            " ".join(printed.getvalue().split())
     else:
         assert not cache.exists() and "_autotune_compile_cache" not in tuned and doc["compile_cache"] is None
+        assert runner.loaded == [] and out.cache_saving is None and "compile_cache.bin" not in printed.getvalue()
+
+
+def test_a_carried_cache_this_torch_does_not_load_is_said_to_save_nothing_after_one_pair(tmp_path, monkeypatch):
+    search, runner = _length_search(tmp_path, monkeypatch)
+    runner.run_steps, runner.takes_cache = 100_000, False
+    out = search.run()
+    assert out.winner is not None and out.chosen["compile.mode"] != "none"
+    assert [(j, arm) for j, arm, _ in runner.loaded] == [(0, "without"), (0, "with")]
+    assert out.cache_saving.not_loaded
+    assert out.cache_saving.text() == ("torch did not load it in the search's runs (another torch or machine made it): "
+                                       "it saves nothing here")
+
+
+def test_the_cache_saving_pairs_stop_where_the_budget_ends_and_say_so(tmp_path, monkeypatch):
+    """The pairs are not set aside in advance (the search's own work comes first): what did not fit is said."""
+    from autotune.search import carried
+
+    search, runner = _length_search(tmp_path, monkeypatch)
+    runner.run_steps = 100_000
+    measure = carried.measure
+
+    def late(s, winner):  # the time left covers one pair's runs, not two
+        walls = [r.wall_s for r in winner.candidate if r.measured]
+        s.hard_end = s.clock() + 1.3 * 4 * max(walls)
+        return measure(s, winner)
+
+    monkeypatch.setattr("autotune.search.search.measure_saving", late)
+    out = search.run()
+    assert [(j, arm) for j, arm, _ in runner.loaded] == [(0, "without"), (0, "with")]
+    assert out.cache_saving.saved == (18.0,)
+    assert out.cache_saving.text().endswith("(saves 18.0s; 1 interleaved pair, each run to the end of its measured "
+                                            "steps); the time budget ran out after 1 of 2 pairs")

@@ -9,6 +9,7 @@ from autotune.search.live import QuietDisplay
 from autotune.search.options import SearchOptions
 from autotune.search.outcome import SearchOutcome
 from autotune.search.search import Search
+from autotune.search.carried import arms as saving_arms, judge as judge_saving
 from autotune.search.whole import arms as whole_arms, judge as judge_whole, kept
 from autotune.search.space import config_key
 from autotune.search.storage import open_storage
@@ -86,7 +87,8 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
     s._reported = machine
     machines = len({r.machine for r in s.results})
     stopped = f"reported from the study ({len(s.results)} runs on {machines} machine(s); no trial run)"
-    return s._outcome(stopped, confirmations, winner, machine, store.span_s(), from_study=True)
+    saving = judge_saving(runs) if winner and (runs := saving_arms(s.results, config_key(winner.config), machine)) else None
+    return s._outcome(stopped, confirmations, winner, machine, store.span_s(), from_study=True, saving=saving)
 
 
 def _only_study(storage) -> str:

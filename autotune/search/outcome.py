@@ -61,6 +61,40 @@ class WholeRuns:
                 f"{'s' if len(r) != 1 else ''}): {before:.1f}s -> {after:.1f}s ({self.speedup:.2f}x{spread}){cut}")
 
 
+@dataclass(frozen=True)
+class CacheSaving:
+    """What the carried compile cache saves a first run: the winner run with new, empty compiler caches, without
+    and with the file loaded first, in interleaved pairs (autotune.search.carried)."""
+
+    pairs: tuple[tuple[float, float], ...] = ()  # (seconds without the file, seconds with it), process start to result
+    not_loaded: bool = False  # a run given the file could not load it (another torch): it saves nothing here
+    skipped: str | None = None  # why none (or not all) ran
+
+    @property
+    def saved(self) -> tuple[float, ...]:
+        return tuple(without - with_ for without, with_ in self.pairs)
+
+    def text(self) -> str:
+        """``a first run with empty compiler caches took 21.1s without it and 17.4s with it (saves 3.7s, 3.1s to
+        4.0s; 2 interleaved pairs)``; or why that was not measured."""
+        if self.not_loaded:
+            return "torch did not load it in the search's runs (another torch or machine made it): it saves nothing here"
+        if not self.pairs:
+            return f"what it saves was not measured: {self.skipped}" if self.skipped else "what it saves was not measured"
+        without = statistics.median(w for w, _ in self.pairs)
+        with_ = statistics.median(c for _, c in self.pairs)
+        saved = self.saved
+        spread = f", {min(saved):.1f}s to {max(saved):.1f}s" if len(saved) > 1 else ""
+        cut = f"; {self.skipped}" if self.skipped else ""
+        return (f"a first run with empty compiler caches took {without:.1f}s without it and {with_:.1f}s with it "
+                f"(saves {statistics.median(saved):.1f}s{spread}; {len(saved)} interleaved pair"
+                f"{'s' if len(saved) != 1 else ''}, each run to the end of its measured steps){cut}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pairs": [{"without_s": round(w, 2), "with_s": round(c, 2)} for w, c in self.pairs],
+                "saved_s": round(statistics.median(self.saved), 2) if self.pairs else None,
+                "loaded": not self.not_loaded, "skipped": self.skipped}
+
 
 @dataclass(frozen=True)
 class Confirmation:
@@ -144,6 +178,7 @@ class SearchOutcome:
     run_length: str | None = None  # what the search ranked by: the user's whole run (its length, where from), or why not
     whole_run: str | None = None  # the winner's steady-state ratio and the user's run's time before and after
     compile_cache: Path | None = None  # where the winner's runs left what they compiled, if it compiles (may be absent)
+    cache_saving: CacheSaving | None = None  # what that file saves a first run, where it was measured or tried
 
     @property
     def noisy(self) -> str | None:

@@ -26,7 +26,7 @@ from autotune.search.machine import cpu_name
 from autotune.search.outcome import SearchOutcome, is_baseline_run, train_time
 from autotune.search.plot import write_plot
 from autotune.search.space import config_key
-from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_SEARCH, ROLE_WHOLE
+from autotune.search.study import ROLE_BASELINE, ROLE_CACHE, ROLE_CONFIRM, ROLE_SEARCH, ROLE_WHOLE
 from autotune.search.trial import Outcome, TrialResult, stderr_summary
 
 
@@ -113,7 +113,9 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
             "startup": o.startup,
             "whole_run": o.whole_run,
             # what the chosen configuration's runs compiled, beside the tuned script, which loads it
-            "compile_cache": {"file": CACHE_NAME, "bytes": cache.stat().st_size} if (cache := carried_cache(o)) else None,
+            "compile_cache": {"file": CACHE_NAME, "bytes": cache.stat().st_size,
+                              "saving": o.cache_saving.as_dict() if o.cache_saving else None}
+            if (cache := carried_cache(o)) else None,
             "objective": o.run_length or "steady-state speed",
             "max_loss_deviation": _r(max_dev, 3),
             "loss_tolerance": _r(tol, 3),
@@ -136,7 +138,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
                 "time_budget_s": o.options.budget,
                 "confirmation_reserved_s": _r(o.reserved_s),
                 "space_size": o.space.size,
-                "configurations_measured": len({config_key(r.config) for r in o.results if r.role not in (ROLE_CONFIRM, ROLE_WHOLE)}),
+                "configurations_measured": len({config_key(r.config) for r in o.results if r.role not in (ROLE_CONFIRM, ROLE_WHOLE, ROLE_CACHE)}),
                 "runs": len(o.results),
                 "machines": {m: sum(r.machine == m for r in o.results) for m in o.machines},
                 "stopped": o.stopped,
@@ -190,6 +192,11 @@ def _baseline_reason(o: SearchOutcome) -> str:
             "a search that runs to its end confirms it"
         )
     return "the baseline wins: no configuration was faster than the baseline runs before it"
+
+
+def _cache_saving(o: SearchOutcome) -> str:
+    """What the carried compile cache saves, as the search measured it (or why it did not)."""
+    return o.cache_saving.text() if o.cache_saving else "what it saves was not measured"
 
 
 def carried_cache(o: SearchOutcome) -> Path | None:
@@ -298,8 +305,7 @@ def _verdict_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
             lines.append(
                 f"The tuned script loads `{CACHE_NAME}` ({doc['compile_cache']['bytes'] / 1024:.0f} KiB beside it: what "
                 "this configuration's runs compiled), so that its first run on this torch and machine finds the "
-                "compiler's caches warm; what that saves was not measured by the search (`--no-compile-cache`: "
-                "neither).")
+                f"compiler's caches warm: {_cache_saving(o)} (`--no-compile-cache`: no file).")
     else:
         lines.append(f"**The baseline wins:** {_plain(doc['verdict'].removeprefix('the baseline wins: '))}. "
                      "The tuned script is the original, unchanged.")
@@ -413,8 +419,9 @@ def _trial_lines(o: SearchOutcome) -> list[str]:
         note = ""
         if r.status is not Outcome.OK:
             note = r.error or stderr_summary(r.stderr_tail)
-        if r.role in (ROLE_CONFIRM, ROLE_WHOLE):
-            whole = f", whole run {r.wall_s:.1f}s" if r.role == ROLE_WHOLE else ""
+        if r.role in (ROLE_CONFIRM, ROLE_WHOLE, ROLE_CACHE):
+            whole = {ROLE_WHOLE: f", whole run {r.wall_s:.1f}s", ROLE_CACHE: f" the compile cache, empty compiler caches, "
+                     f"{r.wall_s:.1f}s"}.get(r.role, "")
             note = f"pair {r.attrs.get('pair', 0) + 1}, {r.attrs.get('arm')}{whole}" + (f"; {note}" if note else "")
         elif r.attrs.get("why"):
             note = str(r.attrs["why"]) + (f"; {note}" if note else "")
@@ -530,6 +537,9 @@ def print_summary(o: SearchOutcome, w: Written, console) -> None:
         )
         if o.whole_run:
             console.print(f"  {o.whole_run}", markup=False, highlight=False, soft_wrap=True)
+        if o.cache_saving is not None and any(f.name == CACHE_NAME for f in w.files):
+            console.print(f"  {CACHE_NAME} carried to the tuned script: {o.cache_saving.text()}", markup=False,
+                          highlight=False, soft_wrap=True)
     else:
         console.print(f"[bold yellow]{_baseline_reason(o)}[/]", highlight=False, soft_wrap=True)
     if o.noisy:

@@ -35,6 +35,7 @@ from autotune.search.options import SearchFailed, SearchInterrupted, SearchOptio
 from autotune.search.confirm import confirm_candidates, verdict
 from autotune.search.prepare import prepare
 from autotune.search.outcome import (
+    CacheSaving,
     Confirmation,
     SearchOutcome,
     is_baseline_run,
@@ -47,11 +48,13 @@ from autotune.search.machine import Machine, this_machine
 from autotune.search.space import config_key
 from autotune.search.strategy import Plan, label, sign_test
 from autotune.search.view import StudyView
+from autotune.search.carried import WITH as CACHE_WITH, measure as measure_saving
 from autotune.search.whole import measure as measure_whole, plan as plan_whole, predicted as predicted_whole
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME
 from autotune.search.storage import open_storage
 from autotune.search.study import (
     ROLE_BASELINE,
+    ROLE_CACHE,
     ROLE_CONFIRM,
     ROLE_DUEL,
     ROLE_PERTURBED,
@@ -183,6 +186,7 @@ class Search:
                 stopped = self._explore()
                 self.reserved_s = self._reserve() if math.isfinite(self.deadline) else None
                 confirmations = [measure_whole(self, c) if c.accepted else c for c in confirm_candidates(self)]
+                saving = measure_saving(self, next((c for c in confirmations if c.accepted), None))
             except UsageError:  # a refusal (the budget too small for one run, a script too short): nothing written
                 self._refused = fresh
                 raise
@@ -206,7 +210,8 @@ class Search:
                 shutil.rmtree(self.out, ignore_errors=True)
         self._refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
         winner = next((c for c in confirmations if c.accepted), None)
-        return self._outcome(stopped, confirmations, winner, self.machine.key, self.clock() - self.started)
+        return self._outcome(stopped, confirmations, winner, self.machine.key, self.clock() - self.started,
+                             saving=saving)
 
     def _isolation(self, settings: TrialSettings) -> str:
         """How trials are kept off the user's files, in words for the header; a UsageError where the overlay was
@@ -225,7 +230,8 @@ class Search:
         return f"each run sees {folders} as an overlay in a private mount namespace (+{cost:.2f}s a run)"
 
     def _outcome(
-        self, stopped, confirmations, winner, machine: str, wall_s: float, from_study: bool = False
+        self, stopped, confirmations, winner, machine: str, wall_s: float, from_study: bool = False,
+        saving: CacheSaving | None = None,
     ) -> SearchOutcome:
         results = tuple(self._regate(self.results))
         return SearchOutcome(
@@ -253,7 +259,8 @@ class Search:
             interactions=knob_worth(self.view(), self.space, winner.config) if winner else (),
             startup=startup(winner, self._compiles(winner.config), self.o.warmup, self.train_steps) if winner else None,
             whole_run=whole_run(winner, self.train_steps, self.o.warmup) if winner else None,
-            compile_cache=self._cache_of(winner.config, ROLE_CONFIRM, {"arm": "candidate"}) if winner else None,
+            compile_cache=self._cache_path(winner.config) if winner else None,
+            cache_saving=saving,
             run_length=self.run_length_note(),
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
@@ -659,7 +666,11 @@ class Search:
             error = f"autotune cannot write this configuration as code: {self.programs.bake_errors[config_key(config)]}"
             result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
         else:
-            more = {"whole": True} if role == ROLE_WHOLE else {}
+            more: dict[str, Any] = {"whole": True} if role == ROLE_WHOLE else {}
+            if role == ROLE_CACHE:  # a first run on a fresh machine, the tuned script's carried cache loaded or not
+                more["fresh_caches"] = True
+                if (attrs or {}).get("arm") == CACHE_WITH:
+                    more["load_cache"] = self._cache_path(config)
             if cache is not None:
                 more["compile_cache"] = (self.out / WORK_NAME / CACHE_NAME).resolve()
                 more["compile_cache"].parent.mkdir(parents=True, exist_ok=True)
@@ -701,10 +712,16 @@ class Search:
         return result
 
     def _cache_of(self, config: Mapping[str, Any], role: str, attrs: Mapping[str, Any] | None) -> Path | None:
-        """Where a candidate's run that compiles keeps what it compiled, for the tuned script (None: no such run):
-        the confirmation's and the whole runs' candidate arms."""
-        if (not self.o.compile_cache or role not in (ROLE_CONFIRM, ROLE_WHOLE) or (attrs or {}).get("arm") != "candidate"
-                or not self._compiles(config)):
+        """Where this run keeps what it compiled, for the tuned script (None: it keeps nothing): the confirmation's
+        and the whole runs' candidate arms of a configuration that compiles."""
+        if role not in (ROLE_CONFIRM, ROLE_WHOLE) or (attrs or {}).get("arm") != "candidate":
+            return None
+        return self._cache_path(config)
+
+    def _cache_path(self, config: Mapping[str, Any]) -> Path | None:
+        """The file the candidate runs of ``config`` leave their compiled artifacts in (None: it compiles nothing,
+        or carrying caches is off)."""
+        if not self.o.compile_cache or not self._compiles(config):
             return None
         digest = hashlib.sha256(config_key(config).encode()).hexdigest()[:16]
         return self.out / CACHES_NAME / f"{digest}.bin"

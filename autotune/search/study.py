@@ -41,6 +41,9 @@ ROLE_REPEAT = "repeat"
 # one run of a whole-run pair: the baseline or the confirmed winner run from process start to its own end, with the
 # script's own arguments (start-up, compile, evaluation passes and their recompiles all in its wall time)
 ROLE_WHOLE = "whole"
+# one run of a cache-saving pair: the winner with new, empty compiler caches, without or with the compile cache carried
+# to the tuned script loaded first (autotune.search.carried)
+ROLE_CACHE = "cache"
 ROLE_DUPLICATE = "duplicate"  # the sampler proposed a configuration already measured: its result is reused
 ROLE_YIELDED = "yielded"  # another worker claimed the same program first: ended FAIL without running
 

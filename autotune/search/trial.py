@@ -96,6 +96,8 @@ class TrialResult:
     # and where from; None with the reason where it could not be read
     run_steps: int | None = None
     run_steps_from: str | None = None
+    # a run given a carried compile cache to load (Runner.run's load_cache): whether torch took it
+    compile_cache_loaded: bool | None = None
 
     @property
     def machine(self) -> str:
@@ -535,11 +537,15 @@ class Runner:
         attrs: Mapping[str, Any] | None = None,
         whole: bool = False,
         compile_cache: Path | None = None,
+        fresh_caches: bool = False,
+        load_cache: Path | None = None,
     ) -> TrialResult:
         """Run one trial; a failure is a typed result, never an exception (KeyboardInterrupt still propagates).
         ``whole``: the script runs on past the measured window to its own end, and ``wall_s`` is its whole run.
         ``compile_cache``: where the run leaves what torch.compile compiled, as it exits (the folder must be one the
-        trial writes for real: the search's own)."""
+        trial writes for real: the search's own).
+        ``fresh_caches``: the run gets new, empty compiler caches (a first run on a fresh machine); ``load_cache``:
+        it first loads this file of compiled artifacts, as a tuned script carrying it does."""
         self._count += 1
         tdir = self.work / "trials" / f"{self._count:04d}"
         if tdir.exists():
@@ -547,7 +553,12 @@ class Runner:
         tdir.mkdir(parents=True)
         iso: Isolation | None = None
         try:
-            cmd, cwd, env = self._setup(tdir, config, attrs, {"whole": whole, "compile_cache": compile_cache and str(compile_cache)})
+            cmd, cwd, env = self._setup(tdir, config, attrs, {
+                "whole": whole, "compile_cache": compile_cache and str(compile_cache),
+                "load_compile_cache": load_cache and str(load_cache)})
+            if fresh_caches:  # in the trial's own folder: gone with it
+                env.update(TORCHINDUCTOR_CACHE_DIR=str(tdir / "compiler" / "inductor"),
+                           TRITON_CACHE_DIR=str(tdir / "compiler" / "triton"))
             if self.settings.isolation == OVERLAY:
                 iso = Isolation.make(protected(self.settings), _kept(self.work.resolve()))
                 cmd = iso.command(iso.write(tdir / "isolate.json"), cmd)
@@ -675,6 +686,7 @@ class Runner:
             load=load_average(),
             run_steps=int(r["run_steps"]) if isinstance(r.get("run_steps"), int) else None,
             run_steps_from=str(r["run_steps_from"]) if r.get("run_steps_from") is not None else None,
+            compile_cache_loaded=r.get("compile_cache_loaded"),
         )
         return out
 
