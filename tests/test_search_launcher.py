@@ -324,7 +324,7 @@ def test_search_under_torchrun_end_to_end(tmp_path):
     out = tmp_path / "out"
     launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2"
     cmd = [sys.executable, "-m", "autotune", "search", DDP_SCRIPT, "--out", out, "--space", space, "--launcher",
-           launcher, "--study-name", "dist", "--steps", STEPS, "--warmup", WARMUP, "--confirm", "5"]  # fmt: skip
+           launcher, "--study-name", "dist", "--steps", STEPS, "--warmup", WARMUP, "--confirm", "5", "--whole-runs", "1"]  # fmt: skip
     done = subprocess.run(list(map(str, cmd)), cwd=tmp_path, env={**os.environ, **ENV}, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
