@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autotune import contention
 from autotune.knob_values import (  # noqa: F401 - the names patched scripts and the search use
     CONFIG_ENV,
     CONFIG_NAME,
@@ -105,6 +106,9 @@ class _Trial:
         # times the process from start to exit: start-up, compile, evaluation passes and their recompiles)
         self.whole = bool(spec.get("whole"))
         self.cache_loaded: bool | None = None  # whether a carried compile cache loaded (None: none was given)
+        # what else ran on the machine's processors during the measured window (autotune.contention)
+        self.cpu_start: contention.Reading | None = None
+        self.contention: dict[str, float] | None = None
         self.started = time.perf_counter()
         self.count = 0
         self.stamps: list[float] = []
@@ -161,6 +165,7 @@ class _Trial:
         if self.count == 1:
             self.first_step_at = time.perf_counter()
         if self.count == self.warmup:
+            self.cpu_start = contention.read()  # (before the window opens: reading /proc is not a step's time)
             self._sync()
             self.window_start = time.perf_counter()
             self.stamps.append(self.window_start)
@@ -169,6 +174,7 @@ class _Trial:
         if self.count >= self.warmup + self.steps:
             self._sync()
             self.stamps[-1] = time.perf_counter()
+            self.contention = contention.between(self.cpu_start, contention.read())
             self.write("ok")
             if self.whole:
                 return
@@ -253,6 +259,7 @@ class _Trial:
             "run_steps": run_steps,  # the optimizer steps of the user's whole run, where they were read
             "run_steps_from": run_steps_from,
             "compile_cache_loaded": self.cache_loaded,
+            "contention": self.contention,
             "applied": applied(),  # knobs that took effect: see took_effect
             "rank": self.rank,
             "local_rank": self.local_rank,

@@ -871,7 +871,8 @@ def test_a_timed_out_confirmation_pair_is_unmeasured_never_evidence_against(tmp_
     c = search._verdict({}, got, "the time budget ran out during confirmation", None, "m")
     assert not c.accepted and not c.evidence
     assert c.reason.startswith("not shown faster: the time budget ran out during confirmation (3 of the 5 pairs")
-    assert "2 pair(s) not measured (a run timed out or the budget cut it: no evidence either way)" in c.reason
+    assert ("2 pair(s) not measured (a run timed out, the budget cut it, or other work on the machine disturbed it: "
+            "no evidence either way)") in c.reason
     assert "not reproducible" not in c.reason
     # a candidate run that crashed is evidence: it does not reproduce
     crashed = search._verdict({}, _pairs(*[(1.0, 0.5)] * 4, (1.0, Outcome.CRASH)), None, None, "m")
@@ -1345,3 +1346,62 @@ def test_the_cache_saving_pairs_stop_where_the_budget_ends_and_say_so(tmp_path, 
     assert out.cache_saving.saved == (18.0,)
     assert out.cache_saving.text().endswith("(saves 18.0s; 1 interleaved pair, each run to the end of its measured "
                                             "steps); the time budget ran out after 1 of 2 pairs")
+
+
+class BusyRunner(FakeRunner):
+    """Every run records what else used the machine during its steps (0.1 processors), but the confirmation's
+    ``busy`` runs (by their place among the confirmation's runs), which other work slowed to a crawl: 1.8 of 2
+    processors taken, and 3 times slower."""
+
+    def __init__(self, clock, busy=()):
+        super().__init__(clock)
+        self.busy, self.confirms = set(busy), 0
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):
+        r = super().run(config, role, timeout, on_start, attrs)
+        others = 0.1
+        if role == "confirm":
+            self.confirms += 1
+            if self.confirms in self.busy:
+                others = 1.8
+                r = r.with_(step_times=tuple(3 * t for t in r.step_times))
+        return r.with_(contention={"own": 2.0, "others": others, "steal": 0.0, "cores": 2.0, "span_s": 5.0})
+
+
+def test_a_confirmation_run_that_other_work_disturbed_is_measured_again_not_compared(tmp_path, monkeypatch):
+    """The candidate's first confirmation run lost 1.8 processors to other work (its runs usually lose 0.1): it is
+    marked disturbed, its pair counts neither way, and another pair is run in its place."""
+    from autotune.search.report import write_outputs
+    from autotune.search.trial import Outcome
+
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    runner = BusyRunner(clock, busy={2})  # pair 1's second run: the candidate's
+    search.runner_factory = lambda *a, **k: runner
+    out = search.run()
+    assert out.winner is not None
+    confirms = [r for r in out.results if r.role == "confirm" and r.attrs.get("candidate") == config_key(out.winner.config)]
+    disturbed = [r for r in confirms if r.status is Outcome.DISTURBED]
+    assert [(r.attrs["pair"], r.attrs["arm"]) for r in disturbed] == [(0, "candidate")]
+    assert disturbed[0].error == ("other work on the machine used 1.8 of its 2 processors during the measured steps "
+                                  "(its runs usually see 0.1): measured again")
+    assert len(out.winner.ratios) == 5 and max(r.attrs["pair"] for r in confirms) == 5  # 6 pairs run, 5 measured
+    assert "1 pair(s) not measured" in out.winner.reason
+    write_outputs(out)
+    assert "| disturbed |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_machine_that_is_always_busy_disturbs_no_run_more_than_another(tmp_path, monkeypatch):
+    """Where every run loses the same processors to other work, none is singled out: the pairs compare as they are."""
+    from autotune.search.trial import Outcome
+
+    class AlwaysBusy(FakeRunner):
+        def run(self, *args, **kwargs):
+            r = super().run(*args, **kwargs)
+            return r.with_(contention={"own": 2.0, "others": 1.5, "steal": 0.2, "cores": 2.0, "span_s": 5.0})
+
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.runner_factory = lambda *a, **k: AlwaysBusy(clock)
+    out = search.run()
+    assert out.winner is not None and not any(r.status is Outcome.DISTURBED for r in out.results)

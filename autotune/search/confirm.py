@@ -22,7 +22,8 @@ Search = Any
 MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
 MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
 MIN_GAIN = 0.01  # a candidate is kept only when its median speedup is above 1 + this
-UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED)  # runs that measured nothing: evidence neither way
+# runs that measured nothing (or the machine's other work more than the configuration): evidence neither way
+UNMEASURED = (Outcome.TIMEOUT, Outcome.INTERRUPTED, Outcome.DISTURBED)
 
 
 def arms(
@@ -63,7 +64,8 @@ def verdict(
                 ratios.append(speed(c) / speed(b))
             elif b.status in UNMEASURED or c.status in UNMEASURED:
                 lost += 1
-    missing = f"; {lost} pair(s) not measured (a run timed out or the budget cut it: no evidence either way)" if lost else ""
+    missing = (f"; {lost} pair(s) not measured (a run timed out, the budget cut it, or other work on the machine "
+               "disturbed it: no evidence either way)") if lost else ""
     if evidence:
         bad = evidence[0]
         accepted, reason = False, f"not reproducible: a confirmation run ended {bad.status} ({bad.error}){missing}"

@@ -24,6 +24,7 @@ STATUS_STYLE = {
     Outcome.UNREACHED: "yellow",
     Outcome.SHORT: "yellow",
     Outcome.INTERRUPTED: "dim",
+    Outcome.DISTURBED: "yellow",
 }
 TABLE_ROWS = 12
 
@@ -57,6 +58,10 @@ def dev_text(r: TrialResult) -> str:
 def duration(s: float) -> str:
     s = max(s, 0.0)
     return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+# other work on the machine worth this many processors during a run's steps is shown beside its row
+BUSY_OTHERS = 0.5
 
 
 class _BudgetColumn(ProgressColumn):
@@ -206,6 +211,8 @@ class SearchDisplay:
         else:
             why = f"  ({r.error})" if r.error and r.status is not Outcome.OK else ""
             load = f"  load {r.load:.1f}" if r.load is not None else ""
+            if r.others is not None and r.others >= BUSY_OTHERS:  # other work took processors from its steps
+                load += f"  others {r.others:.1f} cpu"
             self.console.print(
                 f"  #{row[0]:>3} {row[1]:<17} {row[2]:<40} {r.status!s:<13} {thr:>8} steps/s "
                 f"{row[5]:>7}  dev {row[6]:<7} {row[7]}{load}{why}  [{self.clock_text()}]",

@@ -221,6 +221,15 @@ def noise_warning(spread: float, runs: list[TrialResult], threads: tuple[int, in
         f"this machine's timing is noisy: {len(runs)} runs of the baseline differ by {100 * spread:.0f}% in step time, "
         "so speedups below that are not reliable here"
     )
+    others = [r.others for r in runs if r.others is not None]
+    if others:  # measured during the steps themselves (autotune.contention), not inferred from the load average
+        busy = [x for x in others if x >= 0.5]
+        if busy:
+            return (f"{text}; other work on the machine took up to {max(busy):.1f} processors from the steps of "
+                    f"{len(busy)} of these {len(others)} runs: stop it, or raise --confirm")
+        return (f"{text}; no other work took processors from their steps (at most {max(others):.1f}), so the script's "
+                "own timing varies (data loading, memory allocation, CPU frequency, a neighbour on the host); raise "
+                "--confirm, or --steps for longer runs")
     if not loads:
         return text + "; run the search on a quieter machine, or raise --confirm"
     cores = os.cpu_count() or 1

@@ -21,7 +21,7 @@ from autotune.files import PLOT_NAME, REPORT_NAME, write_file
 from autotune.knobs import Numerics
 from autotune.patch import CONFIG_NAME
 from autotune.search.gate import LOWP_WINDOW, numerics_of
-from autotune.search.live import changed_text, dev_text, mib, speed_text
+from autotune.search.live import BUSY_OTHERS, changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
 from autotune.search.outcome import SearchOutcome, is_baseline_run, train_time
 from autotune.search.plot import write_plot
@@ -425,6 +425,8 @@ def _trial_lines(o: SearchOutcome) -> list[str]:
             note = f"pair {r.attrs.get('pair', 0) + 1}, {r.attrs.get('arm')}{whole}" + (f"; {note}" if note else "")
         elif r.attrs.get("why"):
             note = str(r.attrs["why"]) + (f"; {note}" if note else "")
+        if r.others is not None and r.others >= BUSY_OTHERS and r.status is not Outcome.DISTURBED:
+            note = (f"{note}; " if note else "") + f"other work used {r.others:.1f} processors during its steps"
         lines.append(
             "| "
             + " | ".join(

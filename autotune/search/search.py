@@ -96,6 +96,12 @@ WAIT_S = 1.0  # how often a worker looks at the study while other workers finish
 # --- the search ------------------------------------------------------------------------------------------------
 
 
+# a confirmation run whose measured steps lost more than this many processors to other work (or this share of the
+# machine's time to the hypervisor) beyond what the machine's runs usually lose is measured again (Search._disturbed)
+DISTURBED_CORES = 0.5
+DISTURBED_STEAL = 0.1
+
+
 class Search:
     """One ``autotune search`` run: set up, search, confirm; ``display`` shows progress (see live.py).
 
@@ -688,6 +694,8 @@ class Search:
                 status=Outcome.INTERRUPTED,
                 error=f"stopped after {timeout:.0f}s, where the time budget ends: it measured nothing",
             )
+        if role == ROLE_CONFIRM and result.status is Outcome.OK and (why := self._disturbed(result)):
+            result = result.with_(status=Outcome.DISTURBED, error=why)  # its pair counts neither way: another runs
         missed = unreached(result, self.space.changed(result.config)) if role == ROLE_SEARCH else []
         if missed:  # it timed a program without these knobs: reported, never ranked
             result = result.with_(
@@ -710,6 +718,25 @@ class Search:
         if first and result.status is not Outcome.OK:
             self._baseline_failed(result)
         return result
+
+    def _disturbed(self, result: TrialResult) -> str | None:
+        """Why ``result``'s time is the machine's more than its configuration's, or None: other work took more than
+        DISTURBED_CORES processors (or DISTURBED_STEAL of the hypervisor's time) from its measured steps beyond what
+        this machine's runs usually see (their median: a machine that is always this busy disturbs no run more than
+        another, and its pairs are compared as they are)."""
+        c = result.contention
+        seen = [r.contention for r in self.results if r.contention and r.machine == result.machine and r.measured]
+        if not c or len(seen) < 3:
+            return None
+        others = statistics.median(x["others"] for x in seen)
+        steal = statistics.median(x["steal"] for x in seen)
+        if c["others"] - others > DISTURBED_CORES:
+            return (f"other work on the machine used {c['others']:.1f} of its {c['cores']:.0f} processors during the "
+                    f"measured steps (its runs usually see {others:.1f}): measured again")
+        if c["steal"] - steal > DISTURBED_STEAL:
+            return (f"the hypervisor gave {100 * c['steal']:.0f}% of the processors' time to other machines during the "
+                    f"measured steps (its runs usually see {100 * steal:.0f}%): measured again")
+        return None
 
     def _cache_of(self, config: Mapping[str, Any], role: str, attrs: Mapping[str, Any] | None) -> Path | None:
         """Where this run keeps what it compiled, for the tuned script (None: it keeps nothing): the confirmation's

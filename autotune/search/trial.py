@@ -53,6 +53,9 @@ class Outcome(str, Enum):
     UNVERIFIED = "unverified"
     UNREACHED = "unreached"  # finished, but a knob it changes never took effect: it measured another program
     INTERRUPTED = "interrupted"  # the search was stopped during this trial: not a measurement
+    # finished, but other work on the machine took processors from its measured steps well beyond what the other runs
+    # saw (autotune.contention): its time says more about the machine than the configuration; measured again
+    DISTURBED = "disturbed"
 
     def __str__(self) -> str:
         return self.value
@@ -98,6 +101,9 @@ class TrialResult:
     run_steps_from: str | None = None
     # a run given a carried compile cache to load (Runner.run's load_cache): whether torch took it
     compile_cache_loaded: bool | None = None
+    # what else ran on the machine during the measured window, in processors' worth (autotune.contention): own,
+    # others, steal (a share), cores; None where it could not be read
+    contention: Mapping[str, float] | None = None
 
     @property
     def machine(self) -> str:
@@ -108,6 +114,11 @@ class TrialResult:
     def measured(self) -> bool:
         """Whether the run finished its window, so its time and losses mean something."""
         return self.status in (Outcome.OK, Outcome.DIVERGED, Outcome.UNVERIFIED) and bool(self.step_times)
+
+    @property
+    def others(self) -> float | None:
+        """Processors' worth of other work on the machine during the measured steps (None: not read)."""
+        return self.contention.get("others") if self.contention else None
 
     @property
     def step_time(self) -> float | None:
@@ -687,6 +698,7 @@ class Runner:
             run_steps=int(r["run_steps"]) if isinstance(r.get("run_steps"), int) else None,
             run_steps_from=str(r["run_steps_from"]) if r.get("run_steps_from") is not None else None,
             compile_cache_loaded=r.get("compile_cache_loaded"),
+            contention=r.get("contention") if r.get("status") == "ok" else None,
         )
         return out
 

@@ -1,0 +1,105 @@
+"""What else used the machine during a trial's measured steps (autotune.contention), read from /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autotune import contention
+from autotune.contention import Reading, between
+
+TICK = contention._TICK
+
+
+def _fake_proc(root: Path, stat: str, procs: dict[int, tuple[str, int, int, int]]) -> Path:
+    """A /proc with ``stat`` and, for each pid, (command name, session, utime, stime)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "stat").write_text(stat)
+    (root / "self").mkdir(exist_ok=True)  # (not a pid: skipped)
+    for pid, (comm, session, utime, stime) in procs.items():
+        (root / str(pid)).mkdir()
+        # fields 3..: state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime stime ...
+        (root / str(pid) / "stat").write_text(
+            f"{pid} ({comm}) R 1 {session} {session} 0 -1 4194560 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n")
+    return root
+
+
+def test_the_machine_and_the_session_are_read_from_proc(tmp_path, monkeypatch):
+    stat = "cpu  100 5 50 800 10 1 2 30 7 0\ncpu0 50 2 25 400 5 0 1 15 0 0\n"
+    # a command name with spaces and parentheses does not shift the fields; another session's process is not ours
+    proc = _fake_proc(tmp_path / "proc", stat, {11: ("python (x) y", 42, 60, 10), 12: ("worker", 42, 5, 5),
+                                                13: ("other", 7, 500, 500)})
+    monkeypatch.setattr(os, "getsid", lambda pid: 42)
+    r = contention.read(str(proc))
+    assert (r.busy, r.steal, r.total, r.own) == (100 + 5 + 50 + 1 + 2, 30, 100 + 5 + 50 + 800 + 10 + 1 + 2 + 30, 80)
+    assert contention.read(str(tmp_path / "nowhere")) is None
+
+
+def test_between_two_readings_in_processors_worth():
+    a = Reading(at=10.0, busy=1000, steal=0, total=4000, own=300)
+    # 2 s on 2 processors: 4 s of ticks; the session used 2 s (1 processor), the machine 3.5 s busy, 0.2 s stolen
+    b = Reading(at=12.0, busy=1000 + int(3.5 * TICK), steal=int(0.2 * TICK), total=4000 + 4 * TICK, own=300 + 2 * TICK)
+    got = between(a, b)
+    assert got == {"own": 1.0, "others": 0.75, "steal": 0.05, "cores": 2.0, "span_s": 2.0}
+    assert between(a, Reading(at=10.1, busy=1001, steal=0, total=4010, own=300)) is None  # too short to say
+    assert between(None, b) is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc")
+def test_a_trial_records_the_processors_other_work_took_from_its_steps(tmp_path):
+    """A busy process beside the trial (in a session of its own) is other work; the trial's own steps are not."""
+    from autotune.patch import run
+    from autotune.project import load_project
+    from autotune.search.trial import Outcome, Runner, TrialSettings
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent('''
+        import time
+        import torch
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(40):
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.03:  # a step that keeps one processor busy
+                pass
+            loss = model(torch.ones(2, 4)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ''').lstrip())
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        settings = TrialSettings((), tmp_path, "cpu", 2, 20, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+        r = Runner(run(load_project(script)), tmp_path / "work", settings).run({}, "baseline", 300)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert r.status is Outcome.OK, r.stderr_tail
+    c = r.contention
+    assert c is not None and c["span_s"] >= 0.5
+    # the busy loop's processor (more where other work runs too), and the trial's own busy step
+    assert c["others"] >= 0.5 and c["own"] >= 0.5, c
+
+
+def test_the_noise_warning_names_the_other_work_the_runs_measured():
+    from autotune.search.outcome import noise_warning
+    from autotune.search.trial import Outcome, TrialResult
+
+    def run(others, load=1.0):
+        c = {"own": 2.0, "others": others, "steal": 0.0, "cores": 2.0, "span_s": 3.0} if others is not None else None
+        return TrialResult(config={}, role="baseline", status=Outcome.OK, step_times=(0.1,), load=load, contention=c)
+
+    busy = noise_warning(0.4, [run(0.1), run(1.2), run(0.9)], (2, 1))
+    assert busy == ("this machine's timing is noisy: 3 runs of the baseline differ by 40% in step time, so speedups "
+                    "below that are not reliable here; other work on the machine took up to 1.2 processors from the "
+                    "steps of 2 of these 3 runs: stop it, or raise --confirm")
+    quiet = noise_warning(0.4, [run(0.1), run(0.2)], (2, 1))
+    assert "no other work took processors from their steps (at most 0.2)" in quiet
+    unread = noise_warning(0.4, [run(None, load=3.5), run(None, load=3.5)], (2, 1))  # (a runtime that did not read)
+    assert "load average 3.5" in unread and "other processes compete" in unread
