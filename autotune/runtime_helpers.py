@@ -64,6 +64,7 @@ __all__ = [
     'hf_trainer_defaults',
     'hf_trainer_resolved',
     'hf_trainer_switch',
+    'impl_chosen',
     'lightning_settings',
     'lightning_trainer_args',
     'lightning_trainer_resolved',
@@ -598,16 +599,23 @@ def fully_shard_kwargs(**script: Any) -> dict[str, Any]:
 # --- fused_optimizer (transforms/fused_optimizer.py) ----------------------------------------------
 
 
+def impl_chosen(impl: str, lightning_clipping: str | None, precision: str) -> str:
+    """The implementation the optimizer gets for knob value ``impl`` ("default": left as written): one decision for
+    the trial (optimizer_impl) and the tuned script (the transform's bake). ``lightning_clipping``: a Lightning
+    Trainer clips the gradients, with its precision mixed as the script wrote it ("mixed") or as the
+    lightning_trainer.precision knob makes it ("knob", with that knob at ``precision``); Lightning refuses to clip a
+    fused optimizer's gradients under mixed precision, so there fused leaves the optimizer as written."""
+    if impl == "fused" and (lightning_clipping == "mixed" or (lightning_clipping == "knob" and precision != "default")):
+        return "default"
+    return impl
+
+
 def optimizer_impl(lightning_clipping: str | None = None) -> dict[str, bool]:
-    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}.
-    ``lightning_clipping``: a Lightning Trainer clips the gradients, with its precision mixed as the script wrote it
-    ("mixed") or as the lightning_trainer.precision knob makes it ("knob"); Lightning refuses to clip a fused
-    optimizer's gradients under mixed precision, so there fused leaves the optimizer as written (not applied)."""
-    impl = knob("fused_optimizer.impl", record=False)
+    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}, as
+    impl_chosen decides (not applied where it leaves the optimizer as written)."""
+    precision = knob("lightning_trainer.precision", record=False) if lightning_clipping == "knob" else "default"
+    impl = impl_chosen(knob("fused_optimizer.impl", record=False), lightning_clipping, precision)
     if impl == "default":
-        return {}
-    if impl == "fused" and (lightning_clipping == "mixed" or (
-            lightning_clipping == "knob" and knob("lightning_trainer.precision", record=False) != "default")):
         return {}
     took_effect("fused_optimizer.impl")
     return {impl: True}

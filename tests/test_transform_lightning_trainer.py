@@ -132,3 +132,9 @@ def test_a_fused_optimizer_is_left_as_written_where_lightning_clips_under_mixed_
     assert mixed["status"] == "ok" and mixed["applied"] == ["lightning_trainer.precision"], mixed["error"]
     full = trial(script, ARGS, tmp_path, knobs={"fused_optimizer.impl": "fused"}, warmup=1, steps=1)
     assert full["status"] == "ok" and full["applied"] == ["fused_optimizer.impl"], full["error"]
+    # the tuned script says what the trial did: fused at full precision, as written under mixed precision
+    from autotune.bake import bake
+
+    project = load_project(tmp_path / "clipped.py")
+    assert "fused=True" in bake(project, {"fused_optimizer.impl": "fused"}, "cpu").files[0].new_text
+    assert "fused=True" not in bake(project, both, "cpu").files[0].new_text

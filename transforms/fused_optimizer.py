@@ -62,13 +62,15 @@ class FusedOptimizer(Transform):
                 note = (f"; fused {when}: Lightning refuses to clip a fused optimizer's gradients under mixed "
                         f"precision ({where})")
             self.report(facts, call, Status.APPLICABLE, f"{short} uses the default implementation{note}")
+            flag = None if clipping is None else ("mixed" if clipping[1] else "knob")
             if self.mode.gated:
-                flag = "" if clipping is None else f'lightning_clipping="{"mixed" if clipping[1] else "knob"}"'
-                extra = star_kwargs(f"{edits.runtime('optimizer_impl')}({flag})")
-            else:
-                impl = self.mode.value(self.knobs[0])
-                if impl == "default" or (impl == "fused" and clipping is not None):
-                    continue  # the trial left it as written (see optimizer_impl): the search does not bake it
+                arg = f'lightning_clipping="{flag}"' if flag else ""
+                extra = star_kwargs(f"{edits.runtime('optimizer_impl')}({arg})")
+            else:  # the trial's decision (optimizer_impl), from the same function
+                impl = impl_chosen(self.mode.value(self.knobs[0]), flag,
+                                   str(self.mode.values.get("lightning_trainer.precision", "default")))
+                if impl == "default":
+                    continue
                 extra = kwarg(impl, "True")
             edits.rewrite(call, lambda node, extra=extra: add_args(node, extra))
 
@@ -97,16 +99,23 @@ class FusedOptimizer(Transform):
 from autotune.knob_values import knob, took_effect
 
 
+def impl_chosen(impl: str, lightning_clipping: str | None, precision: str) -> str:
+    """The implementation the optimizer gets for knob value ``impl`` ("default": left as written): one decision for
+    the trial (optimizer_impl) and the tuned script (the transform's bake). ``lightning_clipping``: a Lightning
+    Trainer clips the gradients, with its precision mixed as the script wrote it ("mixed") or as the
+    lightning_trainer.precision knob makes it ("knob", with that knob at ``precision``); Lightning refuses to clip a
+    fused optimizer's gradients under mixed precision, so there fused leaves the optimizer as written."""
+    if impl == "fused" and (lightning_clipping == "mixed" or (lightning_clipping == "knob" and precision != "default")):
+        return "default"
+    return impl
+
+
 def optimizer_impl(lightning_clipping: str | None = None) -> dict[str, bool]:
-    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}.
-    ``lightning_clipping``: a Lightning Trainer clips the gradients, with its precision mixed as the script wrote it
-    ("mixed") or as the lightning_trainer.precision knob makes it ("knob"); Lightning refuses to clip a fused
-    optimizer's gradients under mixed precision, so there fused leaves the optimizer as written (not applied)."""
-    impl = knob("fused_optimizer.impl", record=False)
+    """Keyword arguments that select the optimizer implementation: {}, {'foreach': True} or {'fused': True}, as
+    impl_chosen decides (not applied where it leaves the optimizer as written)."""
+    precision = knob("lightning_trainer.precision", record=False) if lightning_clipping == "knob" else "default"
+    impl = impl_chosen(knob("fused_optimizer.impl", record=False), lightning_clipping, precision)
     if impl == "default":
-        return {}
-    if impl == "fused" and (lightning_clipping == "mixed" or (
-            lightning_clipping == "knob" and knob("lightning_trainer.precision", record=False) != "default")):
         return {}
     took_effect("fused_optimizer.impl")
     return {impl: True}
