@@ -61,6 +61,15 @@ class Outcome(str, Enum):
         return self.value
 
 
+def quantile(xs: Iterable[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (0: the least, 0.5: the median), interpolated between neighbours."""
+    s = sorted(xs)
+    at = q * (len(s) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (at - lo)
+
+
 @dataclass(frozen=True)
 class TrialResult:
     """One run of the patched script under one configuration: its outcome, timings and losses."""
