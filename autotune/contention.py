@@ -14,6 +14,9 @@ import os
 import time
 from dataclasses import dataclass
 
+# other work worth this many processors during a run's steps is worth saying (the search's rows, its warnings)
+BUSY_OTHERS = 0.5
+
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 

@@ -1405,3 +1405,30 @@ def test_a_machine_that_is_always_busy_disturbs_no_run_more_than_another(tmp_pat
     search.runner_factory = lambda *a, **k: AlwaysBusy(clock)
     out = search.run()
     assert out.winner is not None and not any(r.status is Outcome.DISTURBED for r in out.results)
+
+
+class CrowdedRunner(FakeRunner):
+    """Other work takes one of the 2 processors throughout: a run on 2 threads waits for the descheduled one (9 times
+    slower a step), a run on 1 thread does not."""
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):
+        r = super().run(config, role, timeout, on_start, attrs)
+        if (attrs or {}).get("threads") != 1:
+            r = r.with_(step_times=tuple(9 * t for t in r.step_times))
+        return r.with_(contention={"own": 1.0, "others": 1.0, "steal": 0.0, "cores": 2.0, "span_s": 5.0})
+
+
+def test_a_crowded_machine_is_said_after_the_first_runs_with_what_it_does_to_threads(tmp_path, monkeypatch):
+    for where in ("search", "prepare"):
+        monkeypatch.setattr(f"autotune.search.{where}.thread_counts", lambda env, launched: (2, 1))
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.runner_factory = lambda *a, **k: CrowdedRunner(clock)
+    search.display = display = Notes()
+    search.run()
+    said = [(n, text) for n, text in display.notes if "other work on this machine took" in text]
+    assert said and said[0][0] == 3  # after the two baselines and the one on another number of threads
+    assert said[0][1] == (
+        "warning: other work on this machine took up to 1.0 of its 2 processors from the first runs' steps; the "
+        "baseline on 1 thread(s) ran 9.0x faster than on 2, its threads waiting for whichever one is descheduled: this "
+        "machine's speeds under that load, not yours on a machine of your own (threads.intra_op above all); stop the "
+        "other work, or search where the script runs alone")

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Te
 from rich.text import Text
 from rich.table import Table
 
+from autotune.contention import BUSY_OTHERS
 from autotune.search.strategy import label
 from autotune.search.trial import Outcome, TrialResult
 
@@ -58,10 +59,6 @@ def dev_text(r: TrialResult) -> str:
 def duration(s: float) -> str:
     s = max(s, 0.0)
     return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
-
-
-# other work on the machine worth this many processors during a run's steps is shown beside its row
-BUSY_OTHERS = 0.5
 
 
 class _BudgetColumn(ProgressColumn):

@@ -16,12 +16,13 @@ from typing import Any
 
 from autotune import __version__
 from autotune.bake import DIFF_NAME, bake, check_out_dir, write_baked
+from autotune.contention import BUSY_OTHERS
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME, with_loader
 from autotune.files import PLOT_NAME, REPORT_NAME, write_file
 from autotune.knobs import Numerics
 from autotune.patch import CONFIG_NAME
 from autotune.search.gate import LOWP_WINDOW, numerics_of
-from autotune.search.live import BUSY_OTHERS, changed_text, dev_text, mib, speed_text
+from autotune.search.live import changed_text, dev_text, mib, speed_text
 from autotune.search.machine import cpu_name
 from autotune.search.outcome import SearchOutcome, is_baseline_run, train_time
 from autotune.search.plot import write_plot

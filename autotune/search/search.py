@@ -51,6 +51,7 @@ from autotune.search.view import StudyView
 from autotune.search.carried import WITH as CACHE_WITH, measure as measure_saving
 from autotune.search.whole import measure as measure_whole, plan as plan_whole, predicted as predicted_whole
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME
+from autotune.contention import BUSY_OTHERS
 from autotune.search.storage import open_storage
 from autotune.search.study import (
     ROLE_BASELINE,
@@ -719,6 +720,25 @@ class Search:
             self._baseline_failed(result)
         return result
 
+    def _say_if_busy(self) -> None:
+        """Say, after the first runs, where other work on this machine took processors from their steps, and what
+        that did to a run on more threads (OpenMP's threads wait for whichever one is descheduled)."""
+        base, other = self._baselines(), self._perturbed()
+        seen = [r.others for r in base + other if r.others is not None]
+        if not seen or max(seen) < BUSY_OTHERS:
+            return
+        cores = next((r.contention["cores"] for r in base + other if r.contention), os.cpu_count() or 1)
+        text = (f"other work on this machine took up to {max(seen):.1f} of its {cores:.0f} processors from the first "
+                "runs' steps")
+        if base and other and self.threads is not None:
+            b, o = statistics.median(r.step_time for r in base), statistics.median(r.step_time for r in other)
+            many, few = self.threads
+            if few < many and b > 1.5 * o:
+                text += (f"; the baseline on {few} thread(s) ran {b / o:.1f}x faster than on {many}, its threads waiting "
+                         "for whichever one is descheduled: this machine's speeds under that load, not yours on a "
+                         "machine of your own (threads.intra_op above all)")
+        self.display.note(f"warning: {text}; stop the other work, or search where the script runs alone")
+
     def _disturbed(self, result: TrialResult) -> str | None:
         """Why ``result``'s time is the machine's more than its configuration's, or None: other work took more than
         DISTURBED_CORES processors (or DISTURBED_STEAL of the hypervisor's time) from its measured steps beyond what
@@ -825,6 +845,7 @@ class Search:
             base, other = self.threads
             why = f"the baseline on {other} CPU thread(s) instead of {base}: only the order of sums changes"
             self._trial(self.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
+            self._say_if_busy()
         while True:
             self._refresh()
             measured = len(self.measured())
