@@ -114,13 +114,7 @@ class Isolation:
 
     def remove(self) -> None:
         """The scratch folder and every upper layer in it (overlayfs leaves its work folders unreadable)."""
-        for root, dirs, _ in os.walk(self.scratch):  # top down: each folder opened before the walk enters it
-            for d in dirs:
-                try:
-                    os.chmod(os.path.join(root, d), stat.S_IRWXU)
-                except OSError:
-                    pass
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        _remove(self.scratch)
 
     def enter(self) -> None:
         """Make this process's mount namespace private and mount the overlays (raises IsolationError)."""
@@ -162,12 +156,51 @@ class Isolation:
             _mount(libc, stage, path, None, MS_BIND | MS_REC)
 
 
+def _remove(folder: str) -> None:
+    """``folder`` and everything in it, the work folders overlayfs leaves unreadable included."""
+    for root, dirs, _ in os.walk(folder):  # top down: each folder opened before the walk enters it
+        for d in dirs:
+            try:
+                os.chmod(os.path.join(root, d), stat.S_IRWXU)
+            except OSError:
+                pass
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+SCRATCH_PREFIX = "autotune-isolate-"
+
+
+def _sweep(base: str) -> None:
+    """Remove the scratch folders in ``base`` that a process of this user made and did not live to remove (a search
+    killed by SIGKILL cannot): their names carry the pid of the process that made them."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0] if name.startswith(SCRATCH_PREFIX) else ""
+        path = os.path.join(base, name)
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if os.lstat(path).st_uid != os.geteuid() or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            os.kill(int(pid), 0)
+            continue  # its maker still runs
+        except ProcessLookupError:
+            _remove(path)
+        except OSError:  # (no permission to signal it: another user's process, alive)
+            continue
+
+
 def _scratch(folders: Sequence[str]) -> str:
-    """A new folder for the upper layers, outside every overlaid folder (overlayfs refuses overlapping layers)."""
+    """A new folder for the upper layers, outside every overlaid folder (overlayfs refuses overlapping layers);
+    those that killed searches left in the same place go first."""
     for base in (tempfile.gettempdir(), "/dev/shm", "/var/tmp", "/tmp"):
         real = os.path.realpath(base)
         if os.path.isdir(real) and not any(_under(real, f) for f in folders):
-            return tempfile.mkdtemp(prefix="autotune-isolate-", dir=real)
+            _sweep(real)
+            return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=real)
     raise IsolationError(0, "no temporary folder outside the folders to protect for the overlays' upper layers")
 
 

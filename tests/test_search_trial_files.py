@@ -284,3 +284,36 @@ def test_a_whole_search_leaves_the_users_folder_byte_identical(tmp_path, monkeyp
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"your files: each run sees {user} as an overlay in a private mount namespace" in " ".join(done.stdout.split())
     assert _snapshot(user) == before
+
+
+def test_the_scratch_folders_a_killed_search_left_go_when_the_next_one_makes_its_own(tmp_path, monkeypatch):
+    """A search killed by SIGKILL cannot remove its overlays' folders (their work folders unreadable): the next
+    search removes those whose maker is gone, and leaves a live one's, another user's and anything else alone."""
+    import stat as st
+    import subprocess
+    import sys
+    import tempfile
+
+    from autotune.isolate import Isolation
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    stale = tmp_path / "tmp" / f"autotune-isolate-{dead_pid}-abc"
+    (stale / "work0" / "work").mkdir(parents=True)
+    (stale / "work0" / "work").chmod(0)  # as overlayfs leaves it
+    (stale / "work0").chmod(st.S_IRUSR | st.S_IXUSR)
+    live = tmp_path / "tmp" / f"autotune-isolate-{os.getppid()}-def"  # (this test's parent: alive)
+    live.mkdir()
+    old = tmp_path / "tmp" / "autotune-isolate-xyz"  # an older name without a pid: whose it was is not known
+    old.mkdir()
+    other = tmp_path / "tmp" / "notes"
+    other.mkdir()
+    iso = Isolation.make([tmp_path / "project"])
+    try:
+        assert Path(iso.scratch).name.startswith(f"autotune-isolate-{os.getpid()}-")
+        assert not stale.exists() and live.is_dir() and old.is_dir() and other.is_dir()
+    finally:
+        iso.remove()
+    assert not Path(iso.scratch).exists()
