@@ -231,6 +231,11 @@ def cmd_knobs(args: argparse.Namespace, console: Console) -> int:
     if args.markdown:
         sys.stdout.write(knobs_markdown(rows))
         return 0
+    if not console.is_terminal:  # piped: one knob a line, whole names, fields between tabs (grep, cut -f1)
+        for row in rows:
+            print("\t".join((row["name"], ",".join(map(str, row["choices"])), row["numerics"], ",".join(row["devices"]),
+                              " ".join(row["help"].split()))))
+        return 0
     from rich.table import Table
 
     table = Table(show_lines=False)
@@ -357,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     knobs = _sub(
         sub, "knobs", "list every knob: its choices (default first), numerics, devices and what it does",
-        "  autotune knobs\n  autotune knobs --json\n  autotune knobs --markdown   # the README's table\n",
+        "  autotune knobs              # a table; piped, one knob a line, its fields between tabs\n"
+        "  autotune knobs --json\n  autotune knobs --markdown   # the README's table\n",
     )
     shape = knobs.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true", help="print the knobs as JSON")

@@ -302,6 +302,22 @@ def test_knobs_json_lists_every_knob_with_its_default_first(capsys):
         assert k["numerics"] in ("exact", "reorder", "lowp") and k["devices"] and k["help"]
 
 
+def test_knobs_piped_prints_each_knob_whole_on_one_line():
+    """`autotune knobs | grep compile` finds whole names: no table wrapping them at 80 columns."""
+    import subprocess
+    import sys
+
+    from autotune.transform import all_knobs
+
+    done = subprocess.run([sys.executable, "-m", "autotune", "knobs"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split("\t")[0] for line in lines] == list(all_knobs())
+    compile_mode = next(line for line in lines if line.startswith("compile.mode\t")).split("\t")
+    assert compile_mode[1].startswith("none,default,") and compile_mode[2] == "reorder" and compile_mode[4]
+
+
 class _Asked(Exception):
     pass
 
