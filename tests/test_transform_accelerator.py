@@ -20,7 +20,8 @@ def test_the_accelerators_precision_becomes_a_knob_unless_the_script_chooses_it(
     (site,) = sites("accelerator", "plain")
     assert (site.status, site.reason) == (Status.APPLICABLE, "Accelerator: mixed_precision becomes a knob")
     assert [(s.line, s.status, s.reason) for s in sites("accelerator", "user_choice")] == [
-        (8, Status.USER, 'the script sets mixed_precision="no": its choice is kept'),
+        (8, Status.APPLICABLE, 'mixed_precision="no" writes out the default, full precision (no choice of the '
+                               "script's to keep), which the accelerator.mixed_precision knob sets"),
         (9, Status.PRESENT, 'the script sets mixed_precision="bf16"'),
         (10, Status.NOT_APPLICABLE, "**settings may give the settings: which, is not known"),
     ]

@@ -21,7 +21,8 @@ def test_fabrics_precision_becomes_a_knob_unless_the_script_chooses_it():
     assert (site.status, site.reason) == (Status.APPLICABLE, "Fabric: precision becomes a knob")
     found = [s for s in run(load_project(case("autocast", "fabric_backward"))).sites if s.transform == "fabric"]
     assert [(s.status, s.reason) for s in found] == [
-        (Status.USER, 'the script sets precision="32-true": its choice is kept')
+        (Status.APPLICABLE, 'precision="32-true" writes out the default, full precision (no choice of the '
+                            "script's to keep), which the fabric.precision knob sets")
     ]
 
 

@@ -81,6 +81,19 @@ def test_the_precision_counts_as_applied_where_the_trainer_resolved_it(precision
     assert result["applied"] == applied
 
 
+def test_a_precision_written_out_at_its_default_is_no_choice_and_the_knob_sets_it(tmp_path):
+    """``precision="32-true"`` is full precision written out, the same as leaving it out: bf16 is offered there, the
+    patched script at its defaults trains as the original did, and the knob reaches the Trainer."""
+    source = case("lightning_trainer", "written_default")
+    result = run(load_project(source))
+    write_outputs(result, tmp_path / "patched", "written_default.py")
+    script = tmp_path / "patched" / result.files[0].rel
+    assert losses(tmp_path, "patched", script.read_text(), args=ARGS) == \
+        losses(tmp_path, "original", source.read_text(), args=ARGS)
+    on = trial(script, ARGS, tmp_path, knobs={"lightning_trainer.precision": "bf16-mixed"}, warmup=1, steps=1)
+    assert on["status"] == "ok" and on["applied"] == ["lightning_trainer.precision"], on["error"]
+
+
 def test_the_lightningmodule_fit_trains_is_compiled_in_place_and_its_checkpoint_keeps_its_keys(tmp_path):
     import os
     import subprocess

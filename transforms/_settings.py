@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Mapping, Sequence
 
 import libcst as cst
@@ -66,13 +67,17 @@ def keyword_settings(
         if switch is not None and any(facts.is_runtime_call(written[k], switch[0]) for k in given):
             kept.append(setting)
             transform.report(facts, call, Status.PRESENT, f"{what} settings are already knobs")
-        elif switch is not None and _switchable(transform, setting, keywords, given, written):
+        elif switch is not None and ((written_off := _written_off(transform, setting, keywords, given, written,
+                                                                   switch[1]))
+                                     or _switchable(transform, setting, keywords, given, written)):
             kept.append(setting)
             values = {k: facts.code(written[k]) for k in given}
             off = " or ".join(map(code_of, switch[1]))
             shown = ", ".join(f"{k}={v}" for k, v in values.items())
             each = "it is" if len(given) == 1 else "each is"
             transform.report(facts, call, Status.APPLICABLE, (
+                f"{shown} writes out the default, full precision (no choice of the script's to keep), which the "
+                f"{transform.name}.{setting} knob sets" if written_off else
                 f"{shown}: the script's own switch (present, switched off where {each} {off}), which the "
                 f"{transform.name}.{setting} knob turns on there"))
             offs = tuple_code(switch[1])
@@ -88,7 +93,8 @@ def keyword_settings(
                 baked_choice = ("True" if choice == keyword else None) if flag else code_of(choice)
                 if choice != transform.knob(setting).default and baked_choice is not None:
                     test = " or ".join(f"{v} not in {offs}" for v in (value, *others))
-                    switched[keyword] = (setting, f"{value} if {test} else {baked_choice}")
+                    # a default written out is replaced; a switch of the script's stays one, on where it was off
+                    switched[keyword] = (setting, baked_choice if written_off else f"{value} if {test} else {baked_choice}")
         elif given:
             kept.append(setting)
             code = ", ".join(f"{k}={facts.code(written[k])}" for k in given)
@@ -117,6 +123,28 @@ def keyword_settings(
         return add_args(node, *extra) if extra else node
 
     edits.rewrite(call, rewrite)
+
+
+PRECISIONS = ("precision", "mixed_precision")  # the settings whose default written out is no choice (_written_off)
+
+
+def _written_off(transform: Transform, setting: str, keywords: tuple[str, ...], given: list[str],
+                 written: dict[str, cst.BaseExpression], off: tuple) -> bool:
+    """Whether the script writes ``setting``'s default out as constants (``precision="32-true"``, ``bf16=False``):
+    no choice of its own, the same as leaving it out, so the knob may set it. Each keyword given must be one that
+    decides the setting as a switch would (the setting's own keyword, or flags that each name a choice). Precision
+    only: full precision is the absence of a choice, while ``torch_compile=False`` written out may be a refusal."""
+    if not given or setting not in PRECISIONS:
+        return False
+    for k in given:
+        try:
+            value = ast.literal_eval(cst.Module([]).code_for_node(written[k]))
+        except (ValueError, SyntaxError, TypeError):
+            return False
+        if not any(value == o and type(value) is type(o) for o in off):
+            return False
+    flags = [k for k in keywords if k in transform.knob(setting).choices]
+    return set(given) <= set(flags) if flags else given == [keywords[0]]
 
 
 def _switchable(transform: Transform, setting: str, keywords: tuple[str, ...], given: list[str],
