@@ -25,6 +25,18 @@ class Numerics(str, Enum):
 NUMERICS_ORDER = (Numerics.EXACT, Numerics.REORDER, Numerics.LOWP)
 
 
+class Role(str, Enum):
+    """What a knob is to the search, beyond its numerics: the search reads roles, never knob names."""
+
+    PRECISION = "precision"  # reduced-precision compute: its bf16 choice stays out of the start where the CPU emulates bf16
+    SPLIT = "split"  # multiplies the micro-batch at a fixed samples-per-step (fewer, bigger micro-batches)
+    MEMORY_SAVER = "memory_saver"  # frees memory at a cost (activation checkpointing): on only with a bigger micro-batch
+    THREADS = "threads"  # the intra-op thread count: its choices are fitted to the machine's cores
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Knob:
     """One tunable setting: its choices, the default that reproduces the original, and where it applies."""
@@ -38,10 +50,15 @@ class Knob:
     # a value other than the default compiles code as the run starts (torch.compile, inductor's autotuning), which
     # can take minutes: the search gives such a trial a longer timeout
     compiles: bool = False
+    role: Role | None = None
+    on: Any = None  # a MEMORY_SAVER's choice that turns it on
 
     def __post_init__(self) -> None:
         if self.choice(self.default) is NO_CHOICE:
             raise ValueError(f"knob {self.name}: default {self.default!r} not in {self.choices!r}")
+        if (self.role is Role.MEMORY_SAVER) != (self.on is not None) or (
+                self.on is not None and self.choice(self.on) is NO_CHOICE):
+            raise ValueError(f"knob {self.name}: a memory saver names the choice that turns it on, and only it does")
 
     def choice(self, value: Any) -> Any:
         """The declared choice equal to ``value`` in type and value (2.0 is not 2, True is not 1), else ``NO_CHOICE``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._dist import literal_string
 from autotune.transforms._settings import code_of, keyword_settings
@@ -24,6 +24,7 @@ class Accelerator(Transform):
             ("default", "bf16", "fp16"),
             "default",
             Numerics.LOWP,
+            role=Role.PRECISION,
             help="Accelerator(mixed_precision=...): bf16 or fp16 autocast in the prepared model's forward (fp16 with "
             "a gradient scaler in accelerator.backward); an `accelerate launch --mixed_precision` choice wins",
         ),

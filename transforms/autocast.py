@@ -10,7 +10,7 @@ import libcst.matchers as m
 from autotune.analysis import ModuleFacts
 from autotune.project import Project, TrainingLoop, is_framework_backward
 from autotune.bound import unbound
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import (
     add_args,
@@ -72,6 +72,7 @@ class Autocast(Transform):
             ("default", "bf16", "fp16"),
             "default",
             Numerics.LOWP,
+            role=Role.PRECISION,
             help="default: the script's own precision; bf16 or fp16 autocast around forward and loss "
             "(fp16 adds a GradScaler; a script's GradScaler is turned off under bf16)",
         ),

@@ -10,7 +10,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.project import TrainingLoop
 from autotune.syntax import (
     argument, assignments, enclosing_if, is_assigned, is_literal, is_reference, names_variable, scope_of, stmt, walk,
@@ -56,6 +56,7 @@ class BatchSplit(Transform):
             (1, 2, 4, 8, 16, 0.5, 0.25),
             1,
             Numerics.REORDER,
+            role=Role.SPLIT,
             help="the micro-batch size times this, the accumulation steps divided by it: the same samples in the "
             "same order in each optimizer step, the loss still their mean (only where it divides exactly; 0.5 and "
             "0.25 halve or quarter the micro-batch, for memory: the search tries them only where a configuration "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import argument, attr_chain, expr, is_name, names_read, positional, short, stmt, unique_name
 
@@ -93,6 +93,7 @@ class Checkpointing(Transform):
             tuple(EVERY),
             "none",
             Numerics.EXACT,
+            role=Role.MEMORY_SAVER, on="all",
             help="none: keep all activations; all / every_2nd: recompute each block's (every other block's) "
             "activations in backward (use_reentrant=False, RNG state preserved: same losses, less memory, "
             "more compute)",
@@ -102,6 +103,7 @@ class Checkpointing(Transform):
             (False, True),
             False,
             Numerics.EXACT,
+            role=Role.MEMORY_SAVER, on=True,
             help="turn on the model library's own activation checkpointing: model.gradient_checkpointing_enable() "
             "(transformers, use_reentrant=False) or model.set_grad_checkpointing() (timm)",
         ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._settings import code_of, keyword_settings, lightning_precision_on
 
@@ -29,6 +29,7 @@ class Fabric(Transform):
             ("default", "bf16-mixed", "16-mixed"),
             "default",
             Numerics.LOWP,
+            role=Role.PRECISION,
             help="Fabric(precision=...): bf16 or fp16 autocast in the set-up model's forward (16-mixed with a "
             "gradient scaler in fabric.backward; on a CPU Fabric runs bf16 instead); a `fabric run --precision` "
             "choice wins",

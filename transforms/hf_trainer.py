@@ -5,7 +5,7 @@ from __future__ import annotations
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
 from autotune.bound import unbound
 from autotune.syntax import argument, is_literal, stmt
@@ -36,6 +36,7 @@ class HfTrainer(Transform):
             ("default", "bf16", "fp16"),
             "default",
             Numerics.LOWP,
+            role=Role.PRECISION,
             help="TrainingArguments bf16=True or fp16=True: the Trainer's mixed precision (fp16 needs CUDA)",
         ),
         Knob(
@@ -91,6 +92,7 @@ class HfTrainer(Transform):
             (False, True),
             False,
             Numerics.EXACT,
+            role=Role.MEMORY_SAVER, on=True,
             help="TrainingArguments gradient_checkpointing: the model recomputes its activations in backward (the "
             "Trainer calls its gradient_checkpointing_enable; models without support fail the trial); saves memory, "
             "costs time",
@@ -100,6 +102,7 @@ class HfTrainer(Transform):
             (1, 2, 4, 8, 16, 0.5, 0.25),
             1,
             Numerics.REORDER,
+            role=Role.SPLIT,
             help="per_device_train_batch_size times this, gradient_accumulation_steps divided by it: the same samples "
             "in the same order in each optimizer step, in fewer, bigger micro-batches (only where it divides exactly, "
             "and not for a model with BatchNorm or dropout, which draw per micro-batch); 0.5 and 0.25 halve or "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import is_literal
 from autotune.transforms._settings import code_of, keyword_settings, lightning_precision_on
@@ -30,6 +30,7 @@ class LightningTrainer(Transform):
             ("default", "bf16-mixed", "16-mixed"),
             "default",
             Numerics.LOWP,
+            role=Role.PRECISION,
             help="Trainer(precision=...): bf16 or fp16 autocast with float32 weights (16-mixed adds a gradient "
             "scaler and needs CUDA)",
         ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.knobs import Knob, Numerics
+from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import stmt
 from autotune.transforms.backend_flags import _last_import, _torch_name
@@ -26,6 +26,7 @@ class Threads(Transform):
             "default",
             Numerics.REORDER,
             frozenset({"cpu"}),
+            role=Role.THREADS,
             help="torch.set_num_threads: CPU threads per operator (default: torch's choice, OMP_NUM_THREADS or the "
             "cores); fewer can be faster on a busy or small machine; sums split over threads round differently",
         ),

@@ -21,7 +21,10 @@ from autotune.search.budget import check_pairs
 from autotune.search.identity import fingerprint, resolve_device, thread_counts
 from autotune.search.machine import cpu_has_bf16
 from autotune.search.options import SearchOptions
-from autotune.search.space import SearchSpace, SpaceFile, build_space, fit_threads, read_space, restore_space
+from autotune.knobs import Role
+from autotune.search.space import (
+    SearchSpace, SpaceFile, build_space, fit_threads, read_space, restore_space, with_role,
+)
 from autotune.search.strategy import StrongStart
 from autotune.search.trial import parse_launcher
 
@@ -132,8 +135,7 @@ def start_of(device: str, wanted: SpaceFile, own: bool) -> tuple[dict[str, Any],
         start.update({k: v for k, v in bundled.start.items() if k not in start})
         expensive.update({k: v for k, v in bundled.expensive.items() if k not in expensive})
     if device == "cpu" and not cpu_has_bf16():
-        for name in ("autocast.dtype", "hf_trainer.precision", "lightning_trainer.precision", "accelerator.mixed_precision",
-                     "fabric.precision"):
-            if start.get(name) in ("bf16", "bf16-mixed"):
-                del start[name]
+        for knob in with_role(Role.PRECISION):
+            if start.get(knob.name) in ("bf16", "bf16-mixed"):
+                del start[knob.name]
     return start, expensive

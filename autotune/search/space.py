@@ -12,7 +12,7 @@ from typing import Any
 
 from autotune.errors import UsageError
 from autotune.inputs import load_yaml, read_text, shown
-from autotune.knobs import Knob, checked, knob_named
+from autotune.knobs import Knob, Role, checked, knob_named
 from autotune.transform import all_knobs, all_transforms
 
 DEVICES = ("cpu", "cuda")
@@ -199,27 +199,30 @@ def build_space(script_knobs: Iterable[Knob], device: str, wanted: SpaceFile) ->
     return SearchSpace(device, tuple(knobs), choices, left_out)
 
 
-THREADS = "threads.intra_op"
+def with_role(role: Role) -> tuple[Knob, ...]:
+    """Every knob of that role, in the transforms' order (the search reads roles, never knob names)."""
+    return tuple(k for k in all_knobs().values() if k.role is role)
 
 
 def fit_threads(space: SearchSpace, default: int, cores: int) -> SearchSpace:
     """The bundled CPU space lists thread counts for any machine. On this one, the count a run gets anyway (its
     default: OMP_NUM_THREADS or the cores) would measure the baseline again, and a count above the cores only
     oversubscribes them: both are left out (a 2-core machine searches default and 1)."""
-    if THREADS not in space.choices:
-        return space
-    kept = tuple(c for c in space.choices[THREADS] if c == "default" or (c != default and c <= cores))
-    if kept == space.choices[THREADS]:
-        return space
-    if len(kept) > 1:
-        return replace(space, choices={**space.choices, THREADS: kept})
-    why = f"no thread count other than this machine's {default} fits its {cores} core(s)"
-    return replace(
-        space,
-        knobs=tuple(k for k in space.knobs if k.name != THREADS),
-        choices={n: c for n, c in space.choices.items() if n != THREADS},
-        left_out={**space.left_out, THREADS: why},
-    )
+    for name in (k.name for k in with_role(Role.THREADS) if k.name in space.choices):
+        kept = tuple(c for c in space.choices[name] if c == "default" or (c != default and c <= cores))
+        if kept == space.choices[name]:
+            continue
+        if len(kept) > 1:
+            space = replace(space, choices={**space.choices, name: kept})
+            continue
+        why = f"no thread count other than this machine's {default} fits its {cores} core(s)"
+        space = replace(
+            space,
+            knobs=tuple(k for k in space.knobs if k.name != name),
+            choices={n: c for n, c in space.choices.items() if n != name},
+            left_out={**space.left_out, name: why},
+        )
+    return space
 
 
 def restore_space(

@@ -12,9 +12,11 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Protocol
 
-from autotune.search.space import SearchSpace, config_key, has, same_value
+from autotune.knobs import Role
+from autotune.search.space import SearchSpace, config_key, has, same_value, with_role
 
 Config = Mapping[str, Any]
 MAX_PASSES = 4  # coordinate-descent passes over the knobs; each pass that changes nothing ends the descent
@@ -449,23 +451,23 @@ class StrongStart:
                 out.append(trial)
 
         too_big, saving, unsaved, plain = None, False, {}, {}
-        if name in SPLITS or name in MEMORY_SAVERS:  # what ran out of memory, asked only for the knobs it concerns
+        if name in splits() or name in memory_savers():  # what ran out of memory, asked only for the knobs it concerns
             too_big = _out_of_memory_splits(view, incumbent).get(name)
             baseline = self.space.baseline()
-            plain = {s: baseline.get(s) for s in MEMORY_SAVERS if s in baseline}  # every saver off
+            plain = {s: baseline.get(s) for s in memory_savers() if s in baseline}  # every saver off
             saving = any(not same_value(incumbent.get(s), v) for s, v in plain.items())
             unsaved = _out_of_memory_splits(view, plain)  # what did not fit without a saver
         for choice in self.space.choices[name]:
             if same_value(choice, incumbent.get(name)) or self.is_expensive(name, choice):
                 continue
-            if name in MEMORY_SAVERS:
+            if name in memory_savers():
                 if not same_value(choice, plain.get(name)) or any(
                         isinstance(incumbent.get(s), int) and incumbent[s] >= limit for s, limit in unsaved.items()):
                     continue  # never on alone; and not off where the incumbent's micro-batch needs it
-            if name in SPLITS and saving and (_smaller(choice) or choice < unsaved.get(name, choice + 1)):
+            if name in splits() and saving and (_smaller(choice) or choice < unsaved.get(name, choice + 1)):
                 keep(view.canonical({**incumbent, **plain, name: choice}))  # fits without the saver: without it
                 continue
-            if name in SPLITS and _smaller(choice):
+            if name in splits() and _smaller(choice):
                 # only where memory is short at the script's own micro-batch: the configuration that ran out of
                 # memory there, with the next smaller micro-batch
                 for config in _short_of_memory(view, name):
@@ -486,7 +488,7 @@ class StrongStart:
     def _with_saver(self, view: View, config: Config) -> list[dict[str, Any]]:
         """``config`` (a micro-batch that ran out of memory) with the first memory saver of the space turned on,
         where the incumbent has none on and that pairing has not run yet."""
-        for saver, on in MEMORY_SAVERS.items():
+        for saver, on in memory_savers().items():
             if saver not in self.space.choices or not has(self.space.choices[saver], on):
                 continue
             if not same_value(config.get(saver), self.space.baseline().get(saver)):
@@ -595,12 +597,17 @@ class StrongStart:
         return ratio >= 1.0 - margin and len(self.space.changed(a)) < len(self.space.changed(b))
 
 
-# knobs that multiply the micro-batch (the same samples per optimizer step in fewer, bigger micro-batches)
-SPLITS = ("batch_split.factor", "hf_trainer.batch_split")
+@cache
+def splits() -> tuple[str, ...]:
+    """The knobs that multiply the micro-batch (the same samples per optimizer step in fewer, bigger micro-batches)."""
+    return tuple(k.name for k in with_role(Role.SPLIT))
 
 
-# activation checkpointing, as each transform spells it on: it frees memory for a bigger micro-batch, at a cost
-MEMORY_SAVERS = {"checkpointing.blocks": "all", "checkpointing.framework": True, "hf_trainer.gradient_checkpointing": True}
+@cache
+def memory_savers() -> dict[str, Any]:
+    """Activation checkpointing, as each transform spells it on: it frees memory for a bigger micro-batch, at a
+    cost (knob -> the choice that turns it on)."""
+    return {k.name: k.on for k in with_role(Role.MEMORY_SAVER)}
 
 
 def _smaller(choice: Any) -> bool:
@@ -626,9 +633,9 @@ def _out_of_memory_splits(view: View, incumbent: Config | None = None) -> dict[s
     for config, o in view.measured():
         if o.status != "oom":
             continue
-        if incumbent is not None and any(not same_value(config.get(s), incumbent.get(s)) for s in MEMORY_SAVERS):
+        if incumbent is not None and any(not same_value(config.get(s), incumbent.get(s)) for s in memory_savers()):
             continue
-        for name in SPLITS:
+        for name in splits():
             value = config.get(name)
             if isinstance(value, int) and value > 1 and value < out.get(name, value + 1):
                 out[name] = value
