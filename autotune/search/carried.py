@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from autotune.search.budget import RUN_MARGIN
 from autotune.search.confirm import arms as confirm_arms
 from autotune.search.live import duration
 from autotune.search.outcome import CacheSaving, Confirmation
 from autotune.search.space import config_key
-from autotune.search.study import ROLE_CACHE, claim_key
+from autotune.search.study import ROLE_CACHE
 from autotune.search.trial import Outcome, TrialResult
+from autotune.search.whole import run_pairs
 
 PAIRS = 2  # compilation takes seconds where it takes anything: two pairs tell it from the noise of one run
 WITHOUT, WITH = "without", "with"
@@ -57,17 +57,6 @@ def measure(search: Any, winner: Confirmation | None) -> CacheSaving | None:
         return None
     s.display.note(f"the compile cache for the tuned script: what it saves a first run, {PAIRS} pairs with empty "
                    f"compiler caches, about {duration(PAIRS * pair_s)}")
-    stopped = None
-    for j in range(PAIRS):
-        if s.clock() + RUN_MARGIN * pair_s > s.hard_end:
-            stopped = f"the time budget ran out after {j} of {PAIRS} pairs"
-            break
-        for arm in (WITHOUT, WITH) if j % 2 == 0 else (WITH, WITHOUT):
-            s._refresh()
-            what = claim_key(ROLE_CACHE, me, key, j, arm)
-            if (j, arm) in arms(s.results, key, me) or what in s._claims:
-                continue  # measured, or being measured by another worker on this machine
-            s._trial(winner.config, ROLE_CACHE, {"candidate": key, "pair": j, "arm": arm}, what)
-        if judge(arms(s.results, key, me)).not_loaded:
-            break  # this torch does not take the file: more pairs would measure nothing
+    stopped = run_pairs(s, ROLE_CACHE, key, {WITHOUT: winner.config, WITH: winner.config}, PAIRS, pair_s,
+                        lambda got: judge(got).not_loaded)  # (a torch that does not take the file: nothing to measure)
     return judge(arms(s.results, key, me), stopped)

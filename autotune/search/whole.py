@@ -11,7 +11,7 @@ whole run is slower than the baseline's, or fails, is not kept.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -96,23 +96,33 @@ def measure(search: Any, c: Confirmation) -> Confirmation:
     if need is None:
         return replace(c, whole=WholeRuns(s.train_steps, skipped=why)) if why else c
     key, me = config_key(c.config), s.machine.key
-    base_config = s.space.baseline()
-    pair_s = need / s.o.whole_runs
-    stopped = None
     s.display.note(f"your whole run: {s.o.whole_runs} A/B pairs of whole runs (process start to exit, your "
                    f"arguments), about {duration(need)}")
-    for j in range(s.o.whole_runs):
-        if s.clock() + RUN_MARGIN * pair_s > s.hard_end:
-            stopped = f"the time budget ran out after {j} of {s.o.whole_runs} pairs"
-            break
-        for arm in ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline"):
-            s._refresh()
-            what = claim_key(ROLE_WHOLE, me, key, j, arm)
-            if (j, arm) in arms(s.results, key, me) or what in s._claims:
-                continue  # measured, or being measured by another worker on this machine
-            attrs = {"candidate": key, "pair": j, "arm": arm}
-            s._trial(base_config if arm == "baseline" else c.config, ROLE_WHOLE, attrs, what)
-        got = judge(arms(s.results, key, me), s.train_steps)
-        if got.failed is not None:
-            break  # the tuned script's run fails: no more pairs needed to say so
+    # once a candidate run fails (the tuned script's run would), no more pairs are needed to say so
+    stopped = run_pairs(s, ROLE_WHOLE, key, {"baseline": s.space.baseline(), "candidate": c.config}, s.o.whole_runs,
+                        need / s.o.whole_runs, lambda got: judge(got, steps).failed is not None)
     return kept(c, judge(arms(s.results, key, me), s.train_steps, stopped))
+
+
+def run_pairs(
+    search: Any, role: str, key: str, configs: Mapping[str, Mapping[str, Any]], pairs: int, pair_s: float,
+    enough: Callable[[dict[tuple[int, str], TrialResult]], bool],
+) -> str | None:
+    """Run up to ``pairs`` pairs of ``role`` for candidate ``key``: each pair one run of each arm of ``configs``
+    (arm -> configuration), the first arm first in even pairs and last in odd ones, skipping what this machine's
+    workers measured or are measuring; stop once ``enough(the runs so far)``. Why it stopped short (the budget),
+    else None."""
+    s, me = search, search.machine.key
+    names = tuple(configs)
+    for j in range(pairs):
+        if s.clock() + RUN_MARGIN * pair_s > s.hard_end:
+            return f"the time budget ran out after {j} of {pairs} pairs"
+        for arm in names if j % 2 == 0 else names[::-1]:
+            s._refresh()
+            what = claim_key(role, me, key, j, arm)
+            if (j, arm) in confirm_arms(s.results, key, me, role) or what in s._claims:
+                continue  # measured, or being measured by another worker on this machine
+            s._trial(configs[arm], role, {"candidate": key, "pair": j, "arm": arm}, what)
+        if enough(confirm_arms(s.results, key, me, role)):
+            break
+    return None
