@@ -214,7 +214,7 @@ def knob_rows() -> list[dict]:
 
 
 def knobs_markdown(rows: list[dict]) -> str:
-    """The knob table as the README has it (generated: ``autotune knobs --markdown``)."""
+    """The knob table as docs/knobs.md has it (generated: ``autotune knobs --markdown``)."""
     lines = ["| knob | choices (default first) | numerics | devices | what it does |", "|---|---|---|---|---|"]
     for row in rows:
         choices = ", ".join(map(str, row["choices"]))
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  autotune scan train.py\n  autotune scan train.py --json --only autocast,sdpa\n",
     )
     scan.add_argument("path", help=PATH_HELP)
-    scan.add_argument("--json", action="store_true", help="print the sites as JSON (schema in README)")
+    scan.add_argument("--json", action="store_true", help="print the sites as JSON (schema in docs/scan.md)")
     scan.add_argument("--only", help="comma-separated transforms to run")
     scan.add_argument("--skip", help="comma-separated transforms to leave out")
     scan.set_defaults(func=cmd_scan)
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     knobs = _sub(
         sub, "knobs", "list every knob: its choices (default first), numerics, devices and what it does",
         "  autotune knobs              # a table; piped, one knob a line, its fields between tabs\n"
-        "  autotune knobs --json\n  autotune knobs --markdown   # the README's table\n",
+        "  autotune knobs --json\n  autotune knobs --markdown   # docs/knobs.md's table\n",
     )
     shape = knobs.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true", help="print the knobs as JSON")
