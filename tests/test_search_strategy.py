@@ -677,7 +677,7 @@ def test_a_noisy_machine_keeps_time_for_enough_pairs_that_one_lost_pair_does_not
     assert search._noise().time > 0.25
     # 7 of 8 pairs faster gives p = 0.035; 4 of 5, 5 of 6 and 6 of 7 do not reach 0.05
     assert search._pairs_kept() == 8
-    assert search._reserve() == pytest.approx(8 / 5 * quiet._reserve(), rel=0.3)
+    assert search.confirm_reserve() == pytest.approx(8 / 5 * quiet.confirm_reserve(), rel=0.3)
 
 
 def test_a_start_knob_whose_code_never_runs_is_left_out_at_once_with_every_value():
@@ -788,7 +788,7 @@ def test_runs_of_a_script_whose_steps_are_cheap_are_lengthened_and_the_gate_comp
     roles = [role for _, role, _ in runner.runs]
     assert roles[:4] == ["baseline", "baseline", "baseline", "perturbed"]  # two baselines at the new length
     # the first (short) run is neither the reference nor noise: the gate compares every step of the long runs
-    assert len(search._reference().losses) == 225 and len(search._baselines()) >= 2
+    assert len(search._reference().losses) == 225 and len(search.baselines()) >= 2
     assert all(len(b.step_times) == 200 for b in search._all_baselines())
     gated = [r for r in outcome.results if r.role == "search" and str(r.status) == "ok"]
     assert gated and all(len(r.losses) == 225 for r in gated)
@@ -819,7 +819,7 @@ def test_a_script_that_ends_before_the_lengthened_runs_keeps_the_asked_ones(tmp_
     assert outcome.fit_note == "runs kept at 1 + 8 steps: the script ended after 40 steps, before the 225 of the " \
         "lengthened runs (more iterations after -- would let it time longer ones)"
     assert search._reference() is outcome.results[0] or search._reference().number == outcome.results[0].number
-    assert len([b for b in search._baselines()]) >= 2
+    assert len([b for b in search.baselines()]) >= 2
 
 
 def test_a_tight_budget_lengthens_runs_only_as_far_as_they_fit(tmp_path, monkeypatch):
@@ -868,14 +868,14 @@ def test_a_timed_out_confirmation_pair_is_unmeasured_never_evidence_against(tmp_
     search, _, _ = fake_search(tmp_path, monkeypatch)
     # faster in the 3 pairs that ran; 2 pairs lost to a timeout: not shown faster, and no evidence against it
     got = _pairs((1.0, 0.5), (1.0, 0.5), (1.0, Outcome.TIMEOUT), (1.0, 0.5), (Outcome.TIMEOUT, 0.5))
-    c = search._verdict({}, got, "the time budget ran out during confirmation", None, "m")
+    c = search.verdict_of({}, got, "the time budget ran out during confirmation", None, "m")
     assert not c.accepted and not c.evidence
     assert c.reason.startswith("not shown faster: the time budget ran out during confirmation (3 of the 5 pairs")
     assert ("2 pair(s) not measured (a run timed out, the budget cut it, or other work on the machine disturbed it: "
             "no evidence either way)") in c.reason
     assert "not reproducible" not in c.reason
     # a candidate run that crashed is evidence: it does not reproduce
-    crashed = search._verdict({}, _pairs(*[(1.0, 0.5)] * 4, (1.0, Outcome.CRASH)), None, None, "m")
+    crashed = search.verdict_of({}, _pairs(*[(1.0, 0.5)] * 4, (1.0, Outcome.CRASH)), None, None, "m")
     assert not crashed.accepted and crashed.evidence and crashed.reason.startswith("not reproducible")
 
 
@@ -890,7 +890,7 @@ def test_a_timed_out_confirmation_pair_is_unmeasured_never_evidence_against(tmp_
 )
 def test_the_verdict_word_follows_the_interval(candidate, starts, tmp_path, monkeypatch):
     search, _, _ = fake_search(tmp_path, monkeypatch)
-    c = search._verdict({}, _pairs(*[(1.0, s) for s in candidate]), None, None, "m")
+    c = search.verdict_of({}, _pairs(*[(1.0, s) for s in candidate]), None, None, "m")
     assert c.reason.startswith(starts), c.reason
     assert c.accepted == (starts == "faster in 5 of 5 A/B pairs")
 
@@ -904,11 +904,11 @@ def test_a_configuration_is_affordable_only_where_its_own_confirmation_fits_too(
     monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
     search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=900.0)
     search.run()
-    compiling = next(dict(r.config) for r in search.results if r.measured and search._compiles(r.config))
-    plain = next(dict(r.config) for r in search.results if r.role == "search" and not search._compiles(r.config))
+    compiling = next(dict(r.config) for r in search.results if r.measured and search.compiles(r.config))
+    plain = next(dict(r.config) for r in search.results if r.role == "search" and not search.compiles(r.config))
     monkeypatch.setattr(search, "candidates", lambda: [(plain, 1.2)])  # the best so far does not compile
-    run_cost = RUN_MARGIN * search._cost(compiling)
-    best_only, with_own = run_cost + search._reserve(), run_cost + search._reserve(compiling)
+    run_cost = RUN_MARGIN * search.cost_of(compiling)
+    best_only, with_own = run_cost + search.confirm_reserve(), run_cost + search.confirm_reserve(compiling)
     assert with_own > best_only
     search.deadline = clock.now + (best_only + with_own) / 2  # covers the best's confirmation, not its own
     assert not search.affordable(compiling)
@@ -967,19 +967,19 @@ def test_the_searchs_own_time_around_each_run_is_planned_for(tmp_path, monkeypat
 
     monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
     search, clock, runner = fake_search(tmp_path, monkeypatch, time_budget=900.0)
-    refresh = search._refresh
+    refresh = search.refresh
 
     def slow_refresh():  # every look at the study takes 2 s
         clock.now += 2.0
         refresh()
 
-    monkeypatch.setattr(search, "_refresh", slow_refresh)
+    monkeypatch.setattr(search, "refresh", slow_refresh)
     search.run()
     assert search._overhead() == pytest.approx(2.0, abs=0.01)
-    planned = search._estimate()
-    assert search._reserve(search.space.baseline()) == pytest.approx(RUN_MARGIN * search.o.confirm * 2 * planned)
+    planned = search.baseline_cost()
+    assert search.confirm_reserve(search.space.baseline()) == pytest.approx(RUN_MARGIN * search.o.confirm * 2 * planned)
     search._overheads.clear()  # without it, as before: the run's wall alone
-    assert planned - search._estimate() == pytest.approx(2.0, abs=0.01)
+    assert planned - search.baseline_cost() == pytest.approx(2.0, abs=0.01)
 
 
 def test_ties_are_dueled_most_promising_first_and_one_that_could_not_be_picked_is_not_dueled():
@@ -1291,7 +1291,7 @@ def test_what_the_winners_runs_compiled_goes_beside_the_tuned_script_which_loads
         assert cache in written.files and "_autotune_compile_cache()" in tuned
         # what it saves, measured: the winner with empty compiler caches, without and with the file, in 2 pairs
         assert [(j, arm) for j, arm, _ in runner.loaded] == [(0, "without"), (0, "with"), (1, "with"), (1, "without")]
-        carried = search._cache_path(out.winner.config)
+        carried = search.cache_path(out.winner.config)
         assert [f for _, arm, f in runner.loaded if arm == "with"] == [carried, carried]
         assert [f for _, arm, f in runner.loaded if arm == "without"] == [None, None]
         assert out.cache_saving.saved == (18.0, 18.0)

@@ -186,7 +186,7 @@ def test_each_machines_runs_are_gated_against_its_own_baseline(tmp_path):
         _result(base, role="baseline", host="b", losses=other_cpu, number=6),
         _result(base, role="baseline", host="a", number=7),
     ]
-    gated = {r.number: r for r in search._regate(search.results)}
+    gated = {r.number: r for r in search.regate(search.results)}
     assert gated[4].status is Outcome.OK and gated[4].deviation == 0.0
     assert gated[5].status is Outcome.DIVERGED
     b = search.results[1].machine

@@ -11,10 +11,10 @@ left does not cover a pair, the report says what was not measured and why.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from autotune.search.confirm import arms as confirm_arms
 from autotune.search.live import duration
+from autotune.search.ports import Confirming
 from autotune.search.outcome import CacheSaving, Confirmation
 from autotune.search.space import config_key
 from autotune.search.study import ROLE_CACHE
@@ -41,12 +41,12 @@ def judge(got: Mapping[tuple[int, str], TrialResult], skipped: str | None = None
     return CacheSaving(tuple(pairs), not_loaded, skipped)
 
 
-def measure(search: Any, winner: Confirmation | None) -> CacheSaving | None:
+def measure(search: Confirming, winner: Confirmation | None) -> CacheSaving | None:
     """Run the winner's cache-saving pairs as far as the time left allows (None: it carries no cache)."""
     s = search
     if winner is None or not winner.accepted:
         return None
-    cache = s._cache_path(winner.config)
+    cache = s.cache_path(winner.config)
     if cache is None or not cache.is_file():
         return None
     key, me = config_key(winner.config), s.machine.key

@@ -10,14 +10,12 @@ from typing import Any
 
 from autotune.search.budget import ALPHA
 from autotune.search.outcome import Confirmation
+from autotune.search.ports import Confirming
 from autotune.search.strategy import median_interval, sign_test
 from autotune.search.space import config_key
 from autotune.search.study import ROLE_CONFIRM, claim_key
 from autotune.search.trial import Outcome, TrialResult
 
-# the search these work on is a Search (search.py), which imports this module: typed loosely to keep the imports
-# one-way
-Search = Any
 
 MAX_CANDIDATES = 2  # configurations confirmed against the baseline, best first, until one holds
 MORE_PAIRS = 3  # while the interval straddles 1.0, pairs are added up to this many times --confirm
@@ -98,15 +96,15 @@ def verdict(
     )
 
 
-def confirm_candidates(s: Search) -> list[Confirmation]:
+def confirm_candidates(s: Confirming) -> list[Confirmation]:
     """The search's best candidates confirmed in turn on this machine, until one holds (a second one only where
     the time left covers it)."""
     out: list[Confirmation] = []
-    if s._nothing_to_confirm():
+    if s.nothing_to_confirm():
         return out  # the descent, ties re-measured in pairs, found nothing faster: nothing to confirm
     ranked = s.candidates()[:MAX_CANDIDATES]
     for k, (config, search_speedup) in enumerate(ranked):
-        if k and s._time_left() < s._reserve(config):
+        if k and s.time_left() < s.confirm_reserve(config):
             break  # the time set aside was for the first candidate; a second one runs only if it fits
         c = confirm_one(s, config, search_speedup, (k + 1, len(ranked)), must=k == 0)
         out.append(c)
@@ -116,7 +114,7 @@ def confirm_candidates(s: Search) -> list[Confirmation]:
 
 
 def confirm_one(
-    s: Search, config: dict[str, Any], search_speedup: float, which: tuple[int, int] = (1, 1), must: bool = True
+    s: Confirming, config: dict[str, Any], search_speedup: float, which: tuple[int, int] = (1, 1), must: bool = True
 ) -> Confirmation:
     """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine).
 
@@ -129,17 +127,17 @@ def confirm_one(
     me = s.machine.key
     stopped = None
     limit = s.o.confirm * MORE_PAIRS
-    s._reserve_now = 0.0
+    s.reserve_now = 0.0
     j = 0
     while True:
-        so_far = s._verdict(config, arms(s.results, key, me), None, search_speedup, me)
+        so_far = s.verdict_of(config, arms(s.results, key, me), None, search_speedup, me)
         if so_far.evidence or (len(so_far.ratios) >= s.o.confirm and so_far.settled):
             break
         if j >= limit:
             if len(so_far.ratios) < s.o.confirm:
                 stopped = f"{j} pairs run, {j - len(so_far.ratios)} of them not measured"
             break
-        pair_cost = s._estimate() + s._cost(config)
+        pair_cost = s.baseline_cost() + s.cost_of(config)
         # the pairs set aside for may use the budget's slack; more than those, or a second candidate, only what
         # is left of the budget itself
         end = s.hard_end if must and len(so_far.ratios) < s.o.confirm else s.deadline
@@ -148,21 +146,21 @@ def confirm_one(
             break
         order = ("baseline", "candidate") if j % 2 == 0 else ("candidate", "baseline")
         for arm in order:
-            s._refresh()
+            s.refresh()
             what = claim_key(ROLE_CONFIRM, me, key, j, arm)
-            if (j, arm) in arms(s.results, key, me) or what in s._claims:
+            if (j, arm) in arms(s.results, key, me) or what in s.claims:
                 continue  # measured, or being measured by another worker on this machine
             attrs = {"candidate": key, "pair": j, "arm": arm, "of": list(which)}
             shown = max(s.o.confirm, len(so_far.ratios) + 1)
             s.display.confirming(which, min(len(so_far.ratios) + 1, shown), shown, arm)
-            s._trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs, what)
+            s.run_trial(baseline if arm == "baseline" else config, ROLE_CONFIRM, attrs, what)
         j += 1
     while not stopped:  # runs of this confirmation that other workers on this machine are measuring
-        busy = {c for c in s._claims if json.loads(c)[:3] == [ROLE_CONFIRM, me, key]}
+        busy = {c for c in s.claims if json.loads(c)[:3] == [ROLE_CONFIRM, me, key]}
         if not busy:
             break
         if s.clock() > s.hard_end:
             stopped = "the time budget ran out during confirmation"
             break
-        s._wait("confirmation run(s) of another worker on this machine", busy)
-    return s._verdict(config, arms(s.results, key, me), stopped, search_speedup, me)
+        s.wait_for("confirmation run(s) of another worker on this machine", busy)
+    return s.verdict_of(config, arms(s.results, key, me), stopped, search_speedup, me)

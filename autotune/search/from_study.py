@@ -59,7 +59,7 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
     s.store = store
     s.storage_desc = store.storage.description
     s.lengths = store.lengths() or s.lengths
-    s.results = s._admit(store.results())
+    s.results = s.admit(store.results())
     if not s.results:
         raise UsageError(f"study '{store.name}' has no finished trials yet")
     s.plan = s.strategy.plan(s.view())
@@ -73,7 +73,7 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
     for (machine, key), got in arms.items():
         config = next((r.config for (_, arm), r in got.items() if arm == "candidate"), None)
         if config is not None:  # (a pair stopped before its candidate ran confirms nothing)
-            c = s._verdict(dict(config), got, None, speeds.get(key), machine)
+            c = s.verdict_of(dict(config), got, None, speeds.get(key), machine)
             runs = whole_arms(s.results, key, machine)
             confirmations.append(kept(c, judge_whole(runs, s.train_steps)) if runs else c)
     accepted = [c for c in confirmations if c.accepted]
@@ -83,12 +83,12 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
     elif confirmations:
         machine = confirmations[0].machine
     else:  # the machine with the most baseline runs: its noise is the best known
-        machine = max((r.machine for r in s.results), key=lambda m: len(s._baselines(m)), default="")
-    s._reported = machine
+        machine = max((r.machine for r in s.results), key=lambda m: len(s.baselines(m)), default="")
+    s.reported = machine
     machines = len({r.machine for r in s.results})
     stopped = f"reported from the study ({len(s.results)} runs on {machines} machine(s); no trial run)"
     saving = judge_saving(runs) if winner and (runs := saving_arms(s.results, config_key(winner.config), machine)) else None
-    return s._outcome(stopped, confirmations, winner, machine, store.span_s(), from_study=True, saving=saving)
+    return s.outcome_of(stopped, confirmations, winner, machine, store.span_s(), from_study=True, saving=saving)
 
 
 def _only_study(storage) -> str:

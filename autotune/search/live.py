@@ -15,6 +15,7 @@ from rich.text import Text
 from rich.table import Table
 
 from autotune.contention import BUSY_OTHERS
+from autotune.search.ports import Shown
 from autotune.search.strategy import label
 from autotune.search.trial import Outcome, TrialResult
 
@@ -90,7 +91,7 @@ class SearchDisplay:
             console=console,
         )
         self.task = None
-        self.search = None
+        self.search: Shown | None = None
         self.phase = ""
 
     def clock_text(self) -> str:
@@ -100,11 +101,11 @@ class SearchDisplay:
             return ""
         runs = f"{len(s.results)} runs"
         if s.o.budget:
-            return f"{runs}, {duration(s._time_left())} of {duration(s.o.budget)} left"
+            return f"{runs}, {duration(s.time_left())} of {duration(s.o.budget)} left"
         target = s.target()
         return f"{runs}, {len(s.measured())} of {target} configurations" if target else runs
 
-    def begin(self, search) -> None:
+    def begin(self, search: Shown) -> None:
         self.search = search
         self.defaults = search.space.baseline()
         space = search.space
@@ -156,7 +157,7 @@ class SearchDisplay:
         s = self.search
         if self.task is None or s is None:
             return
-        done = (s.o.budget - s._time_left()) if s.o.budget else len(s.measured())
+        done = (s.o.budget - s.time_left()) if s.o.budget else len(s.measured())
         self.progress.update(self.task, description=description, completed=done)
 
     def _render(self):
@@ -237,7 +238,7 @@ class SearchDisplay:
 class QuietDisplay:
     """No output at all (benchmarks, library use)."""
 
-    def begin(self, search) -> None: ...
+    def begin(self, search: Shown) -> None: ...
     def trial_started(self, config, role) -> None: ...
     def trial_finished(self, result, speedup) -> None: ...
     def confirming(self, which, pair, pairs, arm) -> None: ...

@@ -125,9 +125,9 @@ class Search:
         self.results: list[TrialResult] = []
         self.foreign: dict[int | None, list[tuple[str, Any]]] = {}  # study runs left out: trial -> odd knob values
         self._warned = 0.0  # the baseline's time spread the last noise warning said
-        self._reported = ""  # the machine ``autotune report`` reports on
+        self.reported = ""  # the machine ``autotune report`` reports on
         self.threads: tuple[int, int] | None = None  # CPU threads of a run and of the perturbed one (set on CPU)
-        self._claims: set[str] = set()  # what other workers are measuring now
+        self.claims: set[str] = set()  # what other workers are measuring now
         self._taken: set[str] = set()  # of that, the programs (code keys) of search trials
         self._waiting: frozenset[str] = frozenset()
         self.programs = Programs(self.project, self.device, self.space)  # which configurations bake alike
@@ -144,6 +144,7 @@ class Search:
         self._overheads: list[float] = []  # the search's own seconds around each run (see _overhead)
         self._last_end: float | None = None
         self._waited = False
+        self.reserve_now = 0.0  # the time the run starting now must leave for what comes after it
 
     # --- the parts ---------------------------------------------------------------------------------------------
 
@@ -187,11 +188,11 @@ class Search:
             self.lengths = self.store.lengths() or self.lengths
             self.runner = self.runner_factory(self.patch, self.out / WORK_NAME, replace(settings, env=env))
             self.runner.resize(*self.lengths)
-            self._refresh()
+            self.refresh()
             self.display.begin(self)
             try:
                 stopped = self._explore()
-                self.reserved_s = self._reserve() if math.isfinite(self.deadline) else None
+                self.reserved_s = self.confirm_reserve() if math.isfinite(self.deadline) else None
                 confirmations = [measure_whole(self, c) if c.accepted else c for c in confirm_candidates(self)]
                 saving = measure_saving(self, next((c for c in confirmations if c.accepted), None))
             except UsageError:  # a refusal (the budget too small for one run, a script too short): nothing written
@@ -215,9 +216,9 @@ class Search:
             lock.release()
             if self._refused:
                 shutil.rmtree(self.out, ignore_errors=True)
-        self._refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
+        self.refresh()  # the other workers' trials that finished meanwhile belong in the outputs too
         winner = next((c for c in confirmations if c.accepted), None)
-        return self._outcome(stopped, confirmations, winner, self.machine.key, self.clock() - self.started,
+        return self.outcome_of(stopped, confirmations, winner, self.machine.key, self.clock() - self.started,
                              saving=saving)
 
     def _isolation(self, settings: TrialSettings) -> str:
@@ -236,11 +237,11 @@ class Search:
             ) from None
         return f"each run sees {folders} as an overlay in a private mount namespace (+{cost:.2f}s a run)"
 
-    def _outcome(
+    def outcome_of(
         self, stopped, confirmations, winner, machine: str, wall_s: float, from_study: bool = False,
         saving: CacheSaving | None = None,
     ) -> SearchOutcome:
-        results = tuple(self._regate(self.results))
+        results = tuple(self.regate(self.results))
         return SearchOutcome(
             options=self.o,
             project=self.project,
@@ -264,9 +265,9 @@ class Search:
             plan=self.plan,
             labels={r.number: label(self.programs.canonical(r.config), self.space) for r in results if r.number is not None},
             interactions=knob_worth(self.view(), self.space, winner.config) if winner else (),
-            startup=startup(winner, self._compiles(winner.config), self.o.warmup, self.train_steps) if winner else None,
+            startup=startup(winner, self.compiles(winner.config), self.o.warmup, self.train_steps) if winner else None,
             whole_run=whole_run(winner, self.train_steps, self.o.warmup) if winner else None,
-            compile_cache=self._cache_path(winner.config) if winner else None,
+            compile_cache=self.cache_path(winner.config) if winner else None,
             cache_saving=saving,
             run_length=self.run_length_note(),
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
@@ -283,13 +284,13 @@ class Search:
             return None
         return noise_warning(spread, self._all_baselines(machine), self.threads)
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
         """The study as it is now: every worker's finished trials, and what the other workers are measuring."""
-        results, self._claims = self.store.refresh()
-        self.results = self._admit(results)
-        self._taken = {parts[1] for parts in map(json.loads, self._claims) if parts[0] == ROLE_SEARCH}
+        results, self.claims = self.store.refresh()
+        self.results = self.admit(results)
+        self._taken = {parts[1] for parts in map(json.loads, self.claims) if parts[0] == ROLE_SEARCH}
 
-    def _admit(self, results: list[TrialResult]) -> list[TrialResult]:
+    def admit(self, results: list[TrialResult]) -> list[TrialResult]:
         """The study's results whose configuration is one of this space's; the others (a value that is not one of
         a knob's choices: a study others can write to) are kept aside, for the report to name, and never ranked."""
         kept = []
@@ -312,15 +313,15 @@ class Search:
 
     # timing and budgets
 
-    def _mine(self, machine: str | None = None) -> str:
+    def mine(self, machine: str | None = None) -> str:
         """``machine``, else the one this worker runs on (or, for ``autotune report``, the one it reports on)."""
         if machine is not None:
             return machine
-        return self.machine.key if self.machine else self._reported
+        return self.machine.key if self.machine else self.reported
 
-    def _estimate(self) -> float:
+    def baseline_cost(self) -> float:
         """Seconds one run of the baseline takes on this machine at the current run lengths (0 before any ran)."""
-        walls = [self._scaled(r) for r in self._baselines()] or [self._scaled(r) for r in self.results if r.measured]
+        walls = [self._scaled(r) for r in self.baselines()] or [self._scaled(r) for r in self.results if r.measured]
         return statistics.median(walls) if walls else 0.0
 
     def _scaled(self, r: TrialResult) -> float:
@@ -342,17 +343,17 @@ class Search:
             self._overheads.append(max(now - self._last_end - result.wall_s, 0.0))
         self._last_end, self._waited = now, False
 
-    def _compiles(self, config: Mapping[str, Any]) -> bool:
+    def compiles(self, config: Mapping[str, Any]) -> bool:
         return any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs)
 
-    def _cost(self, config: Mapping[str, Any]) -> float:
+    def cost_of(self, config: Mapping[str, Any]) -> float:
         """Seconds the next run of ``config`` is expected to take: as its program's latest run took, else the
         baseline's, plus its compile time if it compiles (from cold: as the compiling programs' first runs took)."""
-        base = self._estimate()
+        base = self.baseline_cost()
         measured = self._latest(config)
         if measured is not None:
             return self._scaled(measured)
-        if not self._compiles(config):
+        if not self.compiles(config):
             return base
         return base + self._compile_s(config, self._compile_extras(warm=False))
 
@@ -363,12 +364,12 @@ class Search:
         the baseline stands for the warm compile of any."""
         programs = self._compiling_programs()
         later = [r for rs in programs.values() for r in rs[1:]]
-        if not self._compiles(config) or not later:
-            return self._cost(config)
+        if not self.compiles(config) or not later:
+            return self.cost_of(config)
         runs = programs.get(self.programs.program(config), [])
         if len(runs) > 1:
             return self._scaled(runs[-1])
-        base = self._estimate()
+        base = self.baseline_cost()
         warmups = [r.warmup_s for r in later if r.warmup_s is not None]
         if runs and runs[0].warmup_s is not None and warmups:  # its own run, with a warm start-up for its cold one
             return max(self._scaled(runs[0]) - runs[0].warmup_s + max(warmups), base)
@@ -383,7 +384,7 @@ class Search:
     def _compile_extras(self, warm: bool) -> list[float]:
         """The compiling programs' runs' time beyond the baseline's: their first runs (``warm`` False), or the runs
         after them."""
-        base = self._estimate()
+        base = self.baseline_cost()
         runs = [r for rs in self._compiling_programs().values() for r in (rs[1:] if warm else rs[:1])]
         return [self._scaled(r) - base for r in runs]
 
@@ -391,7 +392,7 @@ class Search:
         """The measured runs of each compiling program, in order."""
         programs: dict[str, list[TrialResult]] = {}
         for r in self.results:
-            if r.measured and r.wall_s and r.role != ROLE_PERTURBED and self._compiles(r.config):
+            if r.measured and r.wall_s and r.role != ROLE_PERTURBED and self.compiles(r.config):
                 programs.setdefault(self.programs.program(r.config), []).append(r)
         return programs
 
@@ -415,14 +416,14 @@ class Search:
         if self._compile_extras(warm=True) or any(r.role == ROLE_REPEAT and r.machine == me for r in self.results):
             return None
         ranked = self.candidates()
-        if ranked and self._compiles(ranked[0][0]):
+        if ranked and self.compiles(ranked[0][0]):
             config = ranked[0][0]
         else:
             config = next((dict(r.config) for r in reversed(self.results)
-                           if r.measured and r.machine == me and self._compiles(r.config)), None)
+                           if r.measured and r.machine == me and self.compiles(r.config)), None)
         if config is None or len(self._program_runs(config)) != 1:
             return None
-        return config if self._time_left() >= RUN_MARGIN * self._cost(config) + self._least_reserve() else None
+        return config if self.time_left() >= RUN_MARGIN * self.cost_of(config) + self._least_reserve() else None
 
     def _repeat(self) -> bool:
         """Run a compiling program a second time where ``_to_repeat`` says so; whether it ran."""
@@ -431,26 +432,26 @@ class Search:
             return False
         why = ("the time kept for confirmation, sized by compiling runs from cold, stops the search: a second run "
                "shows what a run costs with the compiler's caches warm")
-        self._reserve_now = self._least_reserve()
-        self._trial(again, ROLE_REPEAT, {"why": why}, claim_key(ROLE_REPEAT, self.machine.key, self.programs.program(again)))
+        self.reserve_now = self._least_reserve()
+        self.run_trial(again, ROLE_REPEAT, {"why": why}, claim_key(ROLE_REPEAT, self.machine.key, self.programs.program(again)))
         return True
 
     def _least_reserve(self) -> float:
         """The least a confirmation could cost: each of its runs as long as the baseline's."""
-        return RUN_MARGIN * self._pairs_kept() * 2 * self._estimate()
+        return RUN_MARGIN * self._pairs_kept() * 2 * self.baseline_cost()
 
-    def _reserve(self, config: Mapping[str, Any] | None = None) -> float:
+    def confirm_reserve(self, config: Mapping[str, Any] | None = None) -> float:
         """The time set aside for confirming ``config`` (or the best candidate so far): ``_pairs_kept()`` A/B pairs,
         with the margin a single run gets (runs vary: makemore's fifth pair was cut by the budget with four of four
         faster)."""
         ranked = self.candidates()
         if config is None:
             config = ranked[0][0] if ranked else None
-        cost = self._repeat_cost(config) if config is not None else self._estimate()
+        cost = self._repeat_cost(config) if config is not None else self.baseline_cost()
         # the whole runs only once a candidate passed: before that they would only stop the search from finding one
         # (a Trainer fine-tune's search gave up with 220 s of 300 left, the whole runs' share counted)
         whole = self._whole_reserve(cost) if ranked else 0.0
-        return RUN_MARGIN * (self._pairs_kept() * (self._estimate() + cost) + whole)
+        return RUN_MARGIN * (self._pairs_kept() * (self.baseline_cost() + cost) + whole)
 
     def _whole_reserve(self, cost: float) -> float:
         """The time the winner's whole-run pairs are expected to take (0 where none will run): each run as the
@@ -460,7 +461,7 @@ class Search:
         if not steps or found is None or not found.measured:
             return 0.0
         base = predicted_whole(found, steps)
-        need, _ = plan_whole(self, base, base + max(cost - self._estimate(), 0.0))
+        need, _ = plan_whole(self, base, base + max(cost - self.baseline_cost(), 0.0))
         return need or 0.0
 
     def _pairs_kept(self) -> int:
@@ -473,7 +474,7 @@ class Search:
             return self.o.confirm
         return next(n for n in range(self.o.confirm, 64) if sign_test(n - 1, n) <= ALPHA)
 
-    def _time_left(self) -> float:
+    def time_left(self) -> float:
         return self.deadline - self.clock()
 
     def _timeout(self, config: Mapping[str, Any], reserve: float = 0.0, to_end: bool = False) -> tuple[float, bool]:
@@ -484,9 +485,9 @@ class Search:
             timeout = self.o.timeout
         else:
             steps = self.train_steps
-            walls = [predicted_whole(r, steps) if to_end and steps else r.wall_s for r in self._baselines()]
+            walls = [predicted_whole(r, steps) if to_end and steps else r.wall_s for r in self.baselines()]
             timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
-            if self._compiles(config):
+            if self.compiles(config):
                 timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
         if math.isfinite(self.hard_end):  # a run never eats the time set aside for what comes after it
             left = max(self.hard_end - self.clock() - reserve, 1.0)
@@ -496,7 +497,7 @@ class Search:
 
     def affordable(self, config: Mapping[str, Any]) -> bool:
         """Whether the time left covers a run of ``config`` (with a margin: runs vary) and the confirmation."""
-        return self._time_left() >= RUN_MARGIN * self._cost(config) + self._reserve_for(config)
+        return self.time_left() >= RUN_MARGIN * self.cost_of(config) + self._reserve_for(config)
 
     def _reserve_for(self, config: Mapping[str, Any] | None) -> float:
         """The time to keep after a run of ``config``: confirming the best candidate so far, or ``config`` itself
@@ -504,13 +505,13 @@ class Search:
         confirm: makemore's was tried with 44 s left, won, and its confirmation ran out of time at 4 of 5 pairs).
         Before any compiling run was measured its compile time is a guess (60 s), which must not shut compilation
         out of a short budget: the best candidate's reserve then."""
-        best = self._reserve()
-        if config is None or (self._compiles(config) and not self._compile_measured()):
+        best = self.confirm_reserve()
+        if config is None or (self.compiles(config) and not self._compile_measured()):
             return best
-        return max(best, self._reserve(config))
+        return max(best, self.confirm_reserve(config))
 
     def _compile_measured(self) -> bool:
-        return any(r.measured and self._compiles(r.config) for r in self.results)
+        return any(r.measured and self.compiles(r.config) for r in self.results)
 
     def target(self) -> int | None:
         """How many distinct configurations (the baseline included) the study measures at most, by all its workers."""
@@ -526,8 +527,8 @@ class Search:
 
     # noise and the gate: each machine's runs against that machine's baseline runs only
 
-    def _baselines(self, machine: str | None = None) -> list[TrialResult]:
-        machine = self._mine(machine)
+    def baselines(self, machine: str | None = None) -> list[TrialResult]:
+        machine = self.mine(machine)
         return [r for r in self.results
                 if r.role == ROLE_BASELINE and r.measured and r.machine == machine and self._whole(r)]
 
@@ -538,22 +539,22 @@ class Search:
         return self.lengths[1] <= self.o.steps or not r.step_times or len(r.step_times) >= self.lengths[1]
 
     def _reference(self, machine: str | None = None) -> TrialResult | None:
-        base = self._baselines(machine)
+        base = self.baselines(machine)
         return base[0] if base else None
 
     def _perturbed(self, machine: str | None = None) -> list[TrialResult]:
-        machine = self._mine(machine)
+        machine = self.mine(machine)
         return [r for r in self.results
                 if r.role == ROLE_PERTURBED and r.measured and r.machine == machine and self._whole(r)]
 
     def _noise(self, machine: str | None = None) -> Noise:
         """The baseline's noise on ``machine``: in loss from its baseline runs, in time from every run of the
         baseline there (confirmation's baseline arms too)."""
-        noise = measure_noise(self._baselines(machine), self._perturbed(machine))
+        noise = measure_noise(self.baselines(machine), self._perturbed(machine))
         return replace(noise, time=time_spread([r for r in self._all_baselines(machine)]))
 
     def _all_baselines(self, machine: str | None = None) -> list[TrialResult]:
-        machine = self._mine(machine)
+        machine = self.mine(machine)
         return [r for r in self.results if is_baseline_run(r) and r.measured and r.machine == machine and self._whole(r)]
 
     def _watch_noise(self, result: TrialResult) -> None:
@@ -575,12 +576,12 @@ class Search:
         judged = not (result.role in (ROLE_BASELINE, ROLE_PERTURBED) or (result.role == ROLE_CONFIRM and not changed))
         return gated(result, ref, changed, noise or self._noise(result.machine), self.o.rtol, judged)
 
-    def _regate(self, results: list[TrialResult]) -> list[TrialResult]:
+    def regate(self, results: list[TrialResult]) -> list[TrialResult]:
         """Every trial judged again with the noise measured over the whole study on its machine."""
         noise = {m: self._noise(m) for m in {r.machine for r in results}}
         return [self._gate(r, noise[r.machine]) for r in results]
 
-    def _value(self, result: TrialResult) -> float:
+    def value_of(self, result: TrialResult) -> float:
         """What Optuna maximises, and the one speedup every output shows: the run's speed over the median of its
         machine's last 3 baseline runs when it finished (0 when it failed).
 
@@ -591,11 +592,11 @@ class Search:
             return result.speedup if result.measured else 0.0
         if not result.measured or not result.throughput:
             return 0.0
-        base = [r for r in self._baselines(result.machine) if r.throughput and r is not result][-3:]
-        ref = statistics.median(self._speed(b) for b in base) if base else 0.0
-        return self._speed(result) / ref if ref else 1.0
+        base = [r for r in self.baselines(result.machine) if r.throughput and r is not result][-3:]
+        ref = statistics.median(self.speed_of(b) for b in base) if base else 0.0
+        return self.speed_of(result) / ref if ref else 1.0
 
-    def _speed(self, r: TrialResult) -> float:
+    def speed_of(self, r: TrialResult) -> float:
         """Steps per second, or with --train-steps N, 1 / (start-up + N steps)."""
         steps = self.train_steps
         if not steps:
@@ -635,7 +636,7 @@ class Search:
 
     # running one trial
 
-    def _trial(
+    def run_trial(
         self,
         config: Mapping[str, Any] | None,
         role: str,
@@ -660,14 +661,14 @@ class Search:
         if role == ROLE_SEARCH:
             earlier = self.measured().get(self.programs.program(config))
             if earlier is not None:
-                self.store.reuse(trial, earlier, self._value(earlier))
+                self.store.reuse(trial, earlier, self.value_of(earlier))
                 return None
         if claim is not None and not self.store.holds(trial, claim):
             self.store.step_aside(trial)  # another worker measures this program, or already did
             return None
         first = self._reference() is None and role == ROLE_BASELINE
         self.display.trial_started(config, role)
-        timeout, cut = self._timeout(config, self._reserve_now, to_end=role == ROLE_WHOLE)
+        timeout, cut = self._timeout(config, self.reserve_now, to_end=role == ROLE_WHOLE)
         cache = self._cache_of(config, role, attrs)
         if code is None:
             error = f"autotune cannot write this configuration as code: {self.programs.bake_errors[config_key(config)]}"
@@ -677,7 +678,7 @@ class Search:
             if role == ROLE_CACHE:  # a first run on a fresh machine, the tuned script's carried cache loaded or not
                 more["fresh_caches"] = True
                 if (attrs or {}).get("arm") == CACHE_WITH:
-                    more["load_cache"] = self._cache_path(config)
+                    more["load_cache"] = self.cache_path(config)
             if cache is not None:
                 more["compile_cache"] = (self.out / WORK_NAME / CACHE_NAME).resolve()
                 more["compile_cache"].parent.mkdir(parents=True, exist_ok=True)
@@ -705,10 +706,10 @@ class Search:
                 "script did not take, or found nothing to act on): it measured the original program",
             )
         if result.measured and result.throughput and role != ROLE_PERTURBED:  # another thread count: no speedup
-            result = result.with_(speedup=self._value(result))
+            result = result.with_(speedup=self.value_of(result))
         self.results.append(result)  # first, so that a baseline run counts in the noise it is judged with
         result = self.results[-1] = self._gate(result)
-        number = self.store.record(trial, result, self._value(result))
+        number = self.store.record(trial, result, self.value_of(result))
         if number != trial.number:
             result = self.results[-1] = result.with_(number=number)
         self.display.trial_finished(result, result.speedup)
@@ -723,7 +724,7 @@ class Search:
     def _say_if_busy(self) -> None:
         """Say, after the first runs, where other work on this machine took processors from their steps, and what
         that did to a run on more threads (OpenMP's threads wait for whichever one is descheduled)."""
-        base, other = self._baselines(), self._perturbed()
+        base, other = self.baselines(), self._perturbed()
         seen = [r.others for r in base + other if r.others is not None]
         if not seen or max(seen) < BUSY_OTHERS:
             return
@@ -763,12 +764,12 @@ class Search:
         and the whole runs' candidate arms of a configuration that compiles."""
         if role not in (ROLE_CONFIRM, ROLE_WHOLE) or (attrs or {}).get("arm") != "candidate":
             return None
-        return self._cache_path(config)
+        return self.cache_path(config)
 
-    def _cache_path(self, config: Mapping[str, Any]) -> Path | None:
+    def cache_path(self, config: Mapping[str, Any]) -> Path | None:
         """The file the candidate runs of ``config`` leave their compiled artifacts in (None: it compiles nothing,
         or carrying caches is off)."""
-        if not self.o.compile_cache or not self._compiles(config):
+        if not self.o.compile_cache or not self.compiles(config):
             return None
         digest = hashlib.sha256(config_key(config).encode()).hexdigest()[:16]
         return self.out / CACHES_NAME / f"{digest}.bin"
@@ -791,14 +792,14 @@ class Search:
             f"{self.o.script}: the baseline (every knob at its default) failed: {result.status}: {result.error}"
         )
 
-    def _wait(self, what: str, keys: set[str]) -> None:
+    def wait_for(self, what: str, keys: set[str]) -> None:
         """Let other workers finish trials this one needs: the study says when (or that their worker died)."""
         self._waited = True  # (time spent waiting for other workers is not this worker's overhead)
         if frozenset(keys) != self._waiting:
             self._waiting = frozenset(keys)
             self.display.note(f"waiting for {len(keys)} {what}")
         time.sleep(WAIT_S)
-        self._refresh()
+        self.refresh()
 
     # exploring the space
 
@@ -817,9 +818,9 @@ class Search:
 
     def _explore(self) -> str:
         self._duplicates = 0
-        self._reserve_now = 0.0
+        self.reserve_now = 0.0
         target = self.target()
-        if self._baselines():  # a resumed study: nothing to do where it has already done what was asked
+        if self.baselines():  # a resumed study: nothing to do where it has already done what was asked
             if target is not None and len(self.measured()) >= target:
                 return f"all {target} configurations already measured (resumed study)"
             self.plan = self.strategy.plan(self.view())
@@ -827,16 +828,16 @@ class Search:
                 return "the descent had converged (resumed study)"
         # two baselines back to back on a machine new to the study, so its noise is known from the first trial on;
         # one when resuming, as the machine may have changed since
-        need = max(1, 2 - len(self._baselines()))
+        need = max(1, 2 - len(self.baselines()))
         while need > 0:
-            self._trial(self.space.baseline(), ROLE_BASELINE)
+            self.run_trial(self.space.baseline(), ROLE_BASELINE)
             need -= 1
             if self._fit_lengths():
                 need += 1  # the first run is shorter than the runs are now: one more at their length
         # on a GPU, runs that agree bit for bit at first drift apart from a step that varies run to run (atomics): where
         # the first two differ, a third back to back, so that the noise floor is not one sample's chance
-        if self.device == "cuda" and len(self._baselines()) == 2 and not self._noise().deterministic:
-            self._trial(self.space.baseline(), ROLE_BASELINE,
+        if self.device == "cuda" and len(self.baselines()) == 2 and not self._noise().deterministic:
+            self.run_trial(self.space.baseline(), ROLE_BASELINE,
                         {"why": "the first two baseline runs' losses differ: a third measures how far they drift"})
         # on a CPU, where baseline runs agree bit for bit, one more on another number of threads shows how far this
         # script's training carries a rounding difference: the floor of the tolerance of reordering knobs
@@ -844,10 +845,10 @@ class Search:
                                                 for r in self.results):
             base, other = self.threads
             why = f"the baseline on {other} CPU thread(s) instead of {base}: only the order of sums changes"
-            self._trial(self.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
+            self.run_trial(self.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
             self._say_if_busy()
         while True:
-            self._refresh()
+            self.refresh()
             measured = len(self.measured())
             if target is not None and measured >= target:
                 if target == self.space.size:
@@ -859,7 +860,7 @@ class Search:
             config = ready[0].config if ready else None
             if self.plan.done and not ready:
                 if self._taken:  # the strategy's last steps are other workers' trials: their results decide
-                    self._wait("configuration(s) other workers are measuring", self._taken)
+                    self.wait_for("configuration(s) other workers are measuring", self._taken)
                     continue
                 if self.plan.untried:
                     if self._repeat():
@@ -875,18 +876,18 @@ class Search:
                 else:
                     self.mode = "descent, then sampled"  # --trials asks for more configurations: the sampler picks
             if not ready and not self.plan.done:
-                self._wait("configuration(s) other workers are measuring", self._taken)
+                self.wait_for("configuration(s) other workers are measuring", self._taken)
                 continue
             if config is None and (self._duplicates >= MAX_DUPLICATES or self.space.size <= (self.o.trials or 0)):
                 config = self._unmeasured()
                 if config is None:
                     return f"all {self.space.size} configurations measured ({len(self.measured())} distinct programs)"
-            self._reserve_now = self._reserve_for(config)
-            cost = self._cost(config) if config is not None else self._estimate()
-            if self._time_left() < RUN_MARGIN * cost + self._reserve_now:
+            self.reserve_now = self._reserve_for(config)
+            cost = self.cost_of(config) if config is not None else self.baseline_cost()
+            if self.time_left() < RUN_MARGIN * cost + self.reserve_now:
                 if self._repeat():
                     continue
-                return self._out_of_time(need=RUN_MARGIN * cost + self._reserve_now)
+                return self._out_of_time(need=RUN_MARGIN * cost + self.reserve_now)
             since = 0
             for r in reversed(self.results):  # this machine's search trials since its last baseline run
                 if r.machine != self.machine.key:
@@ -895,15 +896,15 @@ class Search:
                     break
                 since += r.role == ROLE_SEARCH
             if since >= self.o.baseline_every:
-                self._trial(self.space.baseline(), ROLE_BASELINE)
+                self.run_trial(self.space.baseline(), ROLE_BASELINE)
                 continue
             if ready and ready[0].duel is not None:
                 a, b, pair, arm = ready[0].duel
                 keys = [self.programs.program(a), self.programs.program(b)]
                 attrs = {"duel": keys, "pair": pair, "arm": arm, "why": ready[0].why}
-                self._trial(config, ROLE_DUEL, attrs, claim_key(ROLE_DUEL, self.machine.key, *keys, pair, arm))
+                self.run_trial(config, ROLE_DUEL, attrs, claim_key(ROLE_DUEL, self.machine.key, *keys, pair, arm))
                 continue
-            got = self._trial(config, ROLE_SEARCH, attrs)
+            got = self.run_trial(config, ROLE_SEARCH, attrs)
             self._duplicates = self._duplicates + 1 if got is None and config is None else 0
 
     def _hopeful(self) -> tuple[dict[str, Any], dict[str, str]] | None:
@@ -917,14 +918,14 @@ class Search:
         return None
 
     def _converged(self) -> str:
-        left = self._time_left()
+        left = self.time_left()
         spare = f" ({left:.0f}s of the budget left)" if math.isfinite(left) and left > 0 else ""
         return (
             "the descent converged, and no untried configuration could beat the best by more than the noise: each "
             f"combines knob changes that measured slower, or no faster, wherever they were tried{spare}"
         )
 
-    def _nothing_to_confirm(self) -> bool:
+    def nothing_to_confirm(self) -> bool:
         """Whether the descent stands at the baseline: its steps, ties re-measured in pairs, found nothing faster
         (a single fast run it did not keep is no candidate)."""
         plan = self.plan
@@ -932,7 +933,7 @@ class Search:
 
     def _out_of_time(self, untried: str = "", need: float | None = None) -> str:
         said = f" ({untried})" if untried else ""
-        left = max(self._time_left(), 0)
+        left = max(self.time_left(), 0)
         tried = [r for r in self.results if r.role == ROLE_SEARCH and r.machine == self.machine.key]
         if need is not None and self.o.budget and not any(r.status is Outcome.OK for r in tried):  # what one needs
             used = self.clock() - self.started
@@ -942,7 +943,7 @@ class Search:
                 f"about {need:.0f}s with its confirmation, and {left:.0f}s were left after {used:.0f}s; give "
                 f"--time-budget {math.ceil((used + need) * 1.1 / 10) * 10:.0f} or more"
             )
-        if self.candidates() and not self._nothing_to_confirm():
+        if self.candidates() and not self.nothing_to_confirm():
             return f"time budget reached{said}: the rest is set aside for confirmation"
         return (
             f"time budget reached{said}: the last {left:.0f}s were kept to confirm a candidate, "
@@ -958,11 +959,11 @@ class Search:
         """After the first baseline of a new study: the run lengths for the rest of it (``budget.run_lengths``;
         never longer where the user set --steps or --warmup). True where the runs grew: the first run is then too
         short to be the gate's reference."""
-        if len(self._baselines()) != 1 or len(self.results) != 1:
+        if len(self.baselines()) != 1 or len(self.results) != 1:
             return False
         first = self.results[0]
         cost = run_cost(first.wall_s, first.step_time or 0.0, first.steps_done or sum(self.lengths))
-        left = self._time_left() if math.isfinite(self.deadline) else None
+        left = self.time_left() if math.isfinite(self.deadline) else None
         asked = self.lengths
         got = run_lengths(cost, *asked, self.o.lengthen and not self.o.train_steps, self._least(), left,
                           self.clock() - self.started, self.o.budget or 0.0)
@@ -993,13 +994,13 @@ class Search:
 
         Each speedup is against the baseline runs of the machine the configuration ran on; machines are not mixed.
         """
-        results = self._regate(self.results)
+        results = self.regate(self.results)
         best: dict[str, tuple[dict[str, Any], float]] = {}
         baseline_code = self.programs.code_key(self.space.baseline())
         for r in results:
             if r.role != ROLE_SEARCH or r.status is not Outcome.OK or r.number is None:
                 continue
-            speed = self._value(r)
+            speed = self.value_of(r)
             key = self.programs.code_key(r.config)
             if key is None or key == baseline_code:
                 continue
@@ -1012,7 +1013,7 @@ class Search:
             ranked.sort(key=lambda cs: self.programs.code_key(cs[0]) != inc)
         return [(c, s) for c, s in ranked if s > 1.0]
 
-    def _verdict(
+    def verdict_of(
         self,
         config: dict[str, Any],
         got: Mapping[tuple[int, str], TrialResult],
@@ -1020,7 +1021,7 @@ class Search:
         search_speedup: float | None,
         machine: str,
     ) -> Confirmation:
-        return verdict(config, got, stopped, search_speedup, machine, self.o.confirm, self._speed)
+        return verdict(config, got, stopped, search_speedup, machine, self.o.confirm, self.speed_of)
 
 
 def _raise_interrupt(signum, frame):  # SIGINT and SIGTERM end a search alike: trials stopped, study kept

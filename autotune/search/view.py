@@ -7,13 +7,11 @@ import math
 import statistics
 from typing import Any
 
+from autotune.search.ports import Viewed
 from autotune.search.strategy import Observation
 from autotune.search.study import ROLE_BASELINE, ROLE_DUEL, ROLE_SEARCH
 from autotune.search.trial import Outcome, TrialResult, unreached
 
-# the search these work on is a Search (search.py), which imports this module: typed loosely to keep the imports
-# one-way
-Search = Any
 
 MIN_MARGIN = 0.02  # the descent keeps a change only when it is faster by more than this, or by the noise if larger
 MAX_MARGIN = 0.5
@@ -22,13 +20,13 @@ MAX_MARGIN = 0.5
 class StudyView:
     """The study as the strategy sees it: each program's first measurement, gated against the whole study's noise."""
 
-    def __init__(self, search: Search) -> None:
+    def __init__(self, search: Viewed) -> None:
         self.s = search
         self.space = search.space
         base_key = search.programs.program(search.space.baseline())
         self._obs: dict[str, Observation] = {}
         self._configs: dict[str, dict[str, Any]] = {}
-        for r in search._regate(search.results):
+        for r in search.regate(search.results):
             if r.role not in (ROLE_BASELINE, ROLE_SEARCH) or r.status is Outcome.INTERRUPTED:
                 continue  # (a run the end of the budget stopped measured nothing)
             key = search.programs.program(r.config)
@@ -41,8 +39,8 @@ class StudyView:
                 ok = r.status is Outcome.OK
                 idle = tuple(unreached(r.with_(status=Outcome.OK), search.space.changed(r.config))) \
                     if r.status is Outcome.UNREACHED else ()
-                self._obs[key] = Observation(ok, search._value(r) if ok else None, str(r.status), r.error, idle)
-        self._threshold = margin(search._baselines())
+                self._obs[key] = Observation(ok, search.value_of(r) if ok else None, str(r.status), r.error, idle)
+        self._threshold = margin(search.baselines())
 
     def observed(self, config):
         return self._obs.get(self.s.programs.program(config))
@@ -60,19 +58,19 @@ class StudyView:
         return self.s.affordable(config)
 
     def costly(self, config) -> bool:
-        return self.s._compiles(config)
+        return self.s.compiles(config)
 
     def measured(self):
         return [(self._configs[k], o) for k, o in self._obs.items()]
 
     def duel(self, a, b):
         keys = [self.s.programs.program(a), self.s.programs.program(b)]
-        me = self.s._mine()
+        me = self.s.mine()
         out: dict[tuple[int, str], float | None] = {}
         for r in self.s.results:
             if r.role == ROLE_DUEL and r.machine == me and r.attrs.get("duel") == keys:
                 ok = r.status is Outcome.OK and r.measured
-                out[(int(r.attrs.get("pair", 0)), str(r.attrs.get("arm")))] = self.s._speed(r) if ok else None
+                out[(int(r.attrs.get("pair", 0)), str(r.attrs.get("arm")))] = self.s.speed_of(r) if ok else None
         return out
 
 

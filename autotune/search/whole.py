@@ -18,6 +18,7 @@ from typing import Any
 from autotune.search.budget import RUN_MARGIN
 from autotune.search.confirm import arms as confirm_arms
 from autotune.search.live import duration
+from autotune.search.ports import Confirming
 from autotune.search.outcome import Confirmation, WholeRuns
 from autotune.search.space import config_key
 from autotune.search.study import ROLE_WHOLE, claim_key
@@ -69,7 +70,7 @@ def predicted(r: TrialResult, steps: int) -> float:
     return r.wall_s + max(steps - r.steps_done, 0) * (r.step_time or 0.0)
 
 
-def plan(search: Any, base_s: float | None, cand_s: float | None) -> tuple[float | None, str | None]:
+def plan(search: Confirming, base_s: float | None, cand_s: float | None) -> tuple[float | None, str | None]:
     """(seconds the whole-run pairs are expected to take, each baseline run ``base_s`` and each candidate run
     ``cand_s``, else None; why none run, where a reason deserves saying)."""
     s = search
@@ -85,7 +86,7 @@ def plan(search: Any, base_s: float | None, cand_s: float | None) -> tuple[float
     return need, None
 
 
-def measure(search: Any, c: Confirmation) -> Confirmation:
+def measure(search: Confirming, c: Confirmation) -> Confirmation:
     """Run ``c``'s whole-run pairs (alternating which arm goes first) as far as the budget allows, and keep ``c``
     only where they show its whole run no slower than the baseline's."""
     s = search
@@ -105,7 +106,7 @@ def measure(search: Any, c: Confirmation) -> Confirmation:
 
 
 def run_pairs(
-    search: Any, role: str, key: str, configs: Mapping[str, Mapping[str, Any]], pairs: int, pair_s: float,
+    search: Confirming, role: str, key: str, configs: Mapping[str, Mapping[str, Any]], pairs: int, pair_s: float,
     enough: Callable[[dict[tuple[int, str], TrialResult]], bool],
 ) -> str | None:
     """Run up to ``pairs`` pairs of ``role`` for candidate ``key``: each pair one run of each arm of ``configs``
@@ -118,11 +119,11 @@ def run_pairs(
         if s.clock() + RUN_MARGIN * pair_s > s.hard_end:
             return f"the time budget ran out after {j} of {pairs} pairs"
         for arm in names if j % 2 == 0 else names[::-1]:
-            s._refresh()
+            s.refresh()
             what = claim_key(role, me, key, j, arm)
-            if (j, arm) in confirm_arms(s.results, key, me, role) or what in s._claims:
+            if (j, arm) in confirm_arms(s.results, key, me, role) or what in s.claims:
                 continue  # measured, or being measured by another worker on this machine
-            s._trial(configs[arm], role, {"candidate": key, "pair": j, "arm": arm}, what)
+            s.run_trial(configs[arm], role, {"candidate": key, "pair": j, "arm": arm}, what)
         if enough(confirm_arms(s.results, key, me, role)):
             break
     return None
