@@ -97,7 +97,7 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
             "files": [m.display for m in project.modules],
             "training_loops": _loops_summary(project),
             "framework_training": [
-                {"framework": f.framework, "path": f.module.display, "line": f.module.position(f.call)[0],
+                {"framework": str(f.framework), "path": f.module.display, "line": f.module.position(f.call)[0],
                  "call": f.module.code(f.call.func)}
                 for f in project.frameworks
             ],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import libcst as cst
@@ -89,18 +90,34 @@ NO_LOOP = (
     "no training loop found: looked for a for/while loop whose body, directly or through a local function, "
     "calls .backward() and an optimizer's .step()"
 )
-# Trainer classes that run the training loop inside the library: constructor -> the framework, as users name it.
+class Framework(Enum):
+    """A library whose Trainer runs the training loop; its value is how users name it."""
+
+    HF_TRAINER = "the Hugging Face Trainer"
+    TRL_TRAINER = "the Hugging Face Trainer (TRL)"
+    LIGHTNING_TRAINER = "the Lightning Trainer"
+
+    @property
+    def hugging_face(self) -> bool:
+        """The Hugging Face Trainer, TRL's subclasses of it included: TrainingArguments are its settings."""
+        return self in (Framework.HF_TRAINER, Framework.TRL_TRAINER)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Trainer classes that run the training loop inside the library: constructor -> the framework.
 FRAMEWORK_TRAINERS = {
-    "transformers.Trainer": "the Hugging Face Trainer",
-    "transformers.trainer.Trainer": "the Hugging Face Trainer",
-    "transformers.Seq2SeqTrainer": "the Hugging Face Trainer",
-    "transformers.trainer_seq2seq.Seq2SeqTrainer": "the Hugging Face Trainer",
-    "trl.SFTTrainer": "the Hugging Face Trainer (TRL)",
-    "trl.DPOTrainer": "the Hugging Face Trainer (TRL)",
-    "lightning.Trainer": "the Lightning Trainer",
-    "lightning.pytorch.Trainer": "the Lightning Trainer",
-    "lightning.pytorch.trainer.trainer.Trainer": "the Lightning Trainer",
-    "pytorch_lightning.Trainer": "the Lightning Trainer",
+    "transformers.Trainer": Framework.HF_TRAINER,
+    "transformers.trainer.Trainer": Framework.HF_TRAINER,
+    "transformers.Seq2SeqTrainer": Framework.HF_TRAINER,
+    "transformers.trainer_seq2seq.Seq2SeqTrainer": Framework.HF_TRAINER,
+    "trl.SFTTrainer": Framework.TRL_TRAINER,
+    "trl.DPOTrainer": Framework.TRL_TRAINER,
+    "lightning.Trainer": Framework.LIGHTNING_TRAINER,
+    "lightning.pytorch.Trainer": Framework.LIGHTNING_TRAINER,
+    "lightning.pytorch.trainer.trainer.Trainer": Framework.LIGHTNING_TRAINER,
+    "pytorch_lightning.Trainer": Framework.LIGHTNING_TRAINER,
 }
 _TRAINS = {"train", "fit"}  # Trainer.train(), Trainer.fit(model)
 
@@ -109,7 +126,7 @@ _TRAINS = {"train", "fit"}  # Trainer.train(), Trainer.fit(model)
 class FrameworkTraining:
     """A call that trains inside a library's own loop: ``trainer.train()``, ``trainer.fit(model, dm)``."""
 
-    framework: str  # "the Hugging Face Trainer"
+    framework: Framework
     module: ModuleFacts
     call: cst.Call
 
@@ -273,7 +290,7 @@ class Project:
                 return found[0], target
         return None
 
-    def framework_of(self, facts: ModuleFacts, ctor: cst.BaseExpression) -> str | None:
+    def framework_of(self, facts: ModuleFacts, ctor: cst.BaseExpression) -> Framework | None:
         """The framework whose Trainer ``ctor`` builds: one of FRAMEWORK_TRAINERS, or a local subclass of one."""
         return next((FRAMEWORK_TRAINERS[q] for q, _ in self._lineage(facts, ctor) if q in FRAMEWORK_TRAINERS), None)
 

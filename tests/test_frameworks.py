@@ -28,7 +28,7 @@ def test_the_call_that_trains_inside_a_framework_is_found(name, framework, call)
     project = load_project(FRAMEWORKS / name)
     assert not project.loops
     # once each: nn.Module.train() and trainer.evaluate() are not training calls
-    assert [(f.framework, f.module.code(f.call.func)) for f in project.frameworks] == [(framework, call)]
+    assert [(str(f.framework), f.module.code(f.call.func)) for f in project.frameworks] == [(framework, call)]
 
 
 def test_a_train_call_on_an_object_of_no_known_trainer_is_not_framework_training(tmp_path):
@@ -85,3 +85,19 @@ def test_a_trainer_built_inside_the_training_call_cannot_be_timed(tmp_path, caps
     assert main(["patch", str(script), "--out", str(tmp_path / "out")]) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "the Trainer is built inside the call" in err
+
+
+def test_a_framework_is_a_typed_value_never_recognised_by_its_display_text():
+    """Transforms ask ``framework.hugging_face`` or compare with ``Framework.LIGHTNING_TRAINER``: a framework's
+    wording (how the scan names it to users) is written once, in autotune/project.py."""
+    import re
+
+    from autotune.project import Framework
+
+    root = Path(__file__).resolve().parent.parent
+    for path in [*(root / "autotune").rglob("*.py"), *(root / "transforms").glob("*.py")]:
+        if path.name == "project.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for f in Framework:
+            assert not re.search(re.escape(f'"{f.value}'), text), f"{path.name} names {f.value!r} as text"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.project import Project
+from autotune.project import Framework, Project
 from autotune.syntax import argument, assignments, binds, is_name, positional, scope_of, self_attr
 from autotune.transforms._sites import strip_module_chain
 
@@ -452,7 +452,7 @@ class Training:
                 if isinstance(call.func, cst.Name) and self.builds_module(facts, scope, call.func):
                     yield scope, call.func.value, call
         for fit in project.tuned_frameworks():  # ``trainer.fit(model, ...)``: the LightningModule it trains
-            if fit.module is facts and fit.framework == "the Lightning Trainer":
+            if fit.module is facts and fit.framework is Framework.LIGHTNING_TRAINER:
                 arg = argument(fit.call, 0, "model")
                 scope = scope_of(facts, fit.call)
                 if isinstance(arg, cst.Name) and self.builds_module(facts, scope, arg):

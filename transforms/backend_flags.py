@@ -78,7 +78,7 @@ class BackendFlags(Transform):
             return
         for module in self.project.modules:
             self._script_flags(module)
-        hf = any(f.framework.startswith("the Hugging Face Trainer") for f in self.project.tuned_frameworks())
+        hf = any(f.framework.hugging_face for f in self.project.tuned_frameworks())
         if hf and not self.project.loops and "tf32" not in self._script_sets:
             # the Trainer's own tf32 setting is that knob there (hf_trainer.tf32): one knob, one place
             self._script_sets.add("tf32")

@@ -143,7 +143,7 @@ class Checkpointing(Transform):
                 self.report(facts, assign, Status.PRESENT, f"{name}.{method}() is already behind the checkpointing.framework knob")
             elif own is not None:
                 self.report(facts, assign, Status.USER, f"the script calls {facts.code(own.func)}() itself")
-            elif not self.project.loops and any(f.framework.startswith("the Hugging Face Trainer")
+            elif not self.project.loops and any(f.framework.hugging_face
                                                 for f in self.project.tuned_frameworks()):
                 self.report(facts, assign, Status.NOT_APPLICABLE, "the Trainer's own gradient_checkpointing setting "
                             "is the knob here (hf_trainer.gradient_checkpointing)")

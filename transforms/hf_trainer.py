@@ -112,20 +112,20 @@ class HfTrainer(Transform):
     )
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
-        hf = any(f.framework.startswith("the Hugging Face Trainer") for f in self.project.tuned_frameworks())
+        hf = any(f.framework.hugging_face for f in self.project.tuned_frameworks())
         for call in facts.calls:
             qual = facts.qualname(call.func)
             if qual in PARSERS:
                 self._parser(facts, call, edits, hf)
             elif self.project.derives(facts, call.func, ARGUMENT_CLASSES):
                 self._arguments(facts, call, edits, hf)
-            elif (self.project.framework_of(facts, call.func) or "").startswith("the Hugging Face Trainer"):
+            elif getattr(self.project.framework_of(facts, call.func), "hugging_face", False):
                 self._batch_split(facts, call, edits)
 
     def _batch_split(self, facts: ModuleFacts, call: cst.Call, edits: Edits) -> None:
         """``Trainer(model=model, args=training_args, ...)``: just before it, the micro-batch and the accumulation
         steps of ``training_args`` split each optimizer step's samples as the batch_split knob asks."""
-        trains = any(f.module is facts and f.framework.startswith("the Hugging Face Trainer")
+        trains = any(f.module is facts and f.framework.hugging_face
                      for f in self.project.tuned_frameworks())
         args = argument(call, 1, "args")
         model = argument(call, 0, "model")

@@ -6,6 +6,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics, Role
+from autotune.project import Framework
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import is_literal
 from autotune.transforms._settings import code_of, keyword_settings, lightning_precision_on
@@ -45,7 +46,7 @@ class LightningTrainer(Transform):
     )
 
     def apply(self, facts: ModuleFacts, edits: Edits) -> None:
-        trains = any(f.framework == "the Lightning Trainer" for f in self.project.tuned_frameworks())
+        trains = any(f.framework is Framework.LIGHTNING_TRAINER for f in self.project.tuned_frameworks())
         for call in facts.calls:
             if not self.project.derives(facts, call.func, TRAINERS):
                 continue
