@@ -52,13 +52,8 @@ from autotune.project import load_project  # noqa: E402
 from autotune.patch import PatchResult, run as patch_project, select  # noqa: E402
 from autotune.search.gate import judge, measure_noise  # noqa: E402
 from autotune.search.live import changed_text  # noqa: E402
-from autotune.search.search import (  # noqa: E402
-    COMPILE_MIN_TIMEOUT_S,
-    FIRST_TIMEOUT_S,
-    MIN_TIMEOUT_S,
-    TIMEOUT_FACTOR,
-    local_speedups,
-)
+from autotune.search.costs import COMPILE_MIN_TIMEOUT_S, FIRST_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_FACTOR  # noqa: E402
+from autotune.search.search import local_speedups  # noqa: E402
 from autotune.search.prepare import start_of  # noqa: E402
 from autotune.search.space import build_space, config_key, read_space  # noqa: E402
 from autotune.search.study import ROLE_BASELINE, ROLE_SEARCH  # noqa: E402

@@ -669,15 +669,15 @@ def test_a_noisy_machine_keeps_time_for_enough_pairs_that_one_lost_pair_does_not
     (tmp_path / "quiet").mkdir()
     quiet, _, _ = fake_search(tmp_path / "quiet", monkeypatch, time_budget=900.0)
     quiet.run()
-    assert quiet._pairs_kept() == 5  # --confirm, where baseline runs agree
+    assert quiet.costs.pairs_kept() == 5  # --confirm, where baseline runs agree
     (tmp_path / "noisy").mkdir()
     search, clock, _ = fake_search(tmp_path / "noisy", monkeypatch, time_budget=900.0)
     search.runner_factory = lambda *a, **k: NoisyRunner(clock)
     search.run()
-    assert search._noise().time > 0.25
+    assert search.noise().time > 0.25
     # 7 of 8 pairs faster gives p = 0.035; 4 of 5, 5 of 6 and 6 of 7 do not reach 0.05
-    assert search._pairs_kept() == 8
-    assert search.confirm_reserve() == pytest.approx(8 / 5 * quiet.confirm_reserve(), rel=0.3)
+    assert search.costs.pairs_kept() == 8
+    assert search.costs.confirm_reserve() == pytest.approx(8 / 5 * quiet.costs.confirm_reserve(), rel=0.3)
 
 
 def test_a_start_knob_whose_code_never_runs_is_left_out_at_once_with_every_value():
@@ -907,14 +907,14 @@ def test_a_configuration_is_affordable_only_where_its_own_confirmation_fits_too(
     compiling = next(dict(r.config) for r in search.results if r.measured and search.compiles(r.config))
     plain = next(dict(r.config) for r in search.results if r.role == "search" and not search.compiles(r.config))
     monkeypatch.setattr(search, "candidates", lambda: [(plain, 1.2)])  # the best so far does not compile
-    run_cost = RUN_MARGIN * search.cost_of(compiling)
-    best_only, with_own = run_cost + search.confirm_reserve(), run_cost + search.confirm_reserve(compiling)
+    run_cost = RUN_MARGIN * search.costs.cost_of(compiling)
+    best_only, with_own = run_cost + search.costs.confirm_reserve(), run_cost + search.costs.confirm_reserve(compiling)
     assert with_own > best_only
     search.deadline = clock.now + (best_only + with_own) / 2  # covers the best's confirmation, not its own
-    assert not search.affordable(compiling)
-    assert search.affordable(plain)
+    assert not search.costs.affordable(compiling)
+    assert search.costs.affordable(plain)
     search.deadline = clock.now + with_own + 1e-6
-    assert search.affordable(compiling)
+    assert search.costs.affordable(compiling)
 
 
 class CachingRunner(FakeRunner):
@@ -954,7 +954,7 @@ def test_a_second_compiling_run_sizes_the_confirmation_by_warm_caches(tmp_path, 
         assert outcome.winner is not None and outcome.winner.accepted
         chosen = outcome.winner.config
         assert chosen["autocast.dtype"] == "bf16" and chosen["compile.mode"] != "none"
-        assert max(search._compile_extras(warm=True)) < min(search._compile_extras(warm=False))
+        assert max(search.costs.compile_extras(warm=True)) < min(search.costs.compile_extras(warm=False))
     else:
         assert outcome.winner is None  # nothing more fits: as before, with one run more
 
@@ -975,11 +975,11 @@ def test_the_searchs_own_time_around_each_run_is_planned_for(tmp_path, monkeypat
 
     monkeypatch.setattr(search, "refresh", slow_refresh)
     search.run()
-    assert search._overhead() == pytest.approx(2.0, abs=0.01)
-    planned = search.baseline_cost()
-    assert search.confirm_reserve(search.space.baseline()) == pytest.approx(RUN_MARGIN * search.o.confirm * 2 * planned)
-    search._overheads.clear()  # without it, as before: the run's wall alone
-    assert planned - search.baseline_cost() == pytest.approx(2.0, abs=0.01)
+    assert search.costs.overhead() == pytest.approx(2.0, abs=0.01)
+    planned = search.costs.baseline_cost()
+    assert search.costs.confirm_reserve(search.space.baseline()) == pytest.approx(RUN_MARGIN * search.o.confirm * 2 * planned)
+    search.costs._overheads.clear()  # without it, as before: the run's wall alone
+    assert planned - search.costs.baseline_cost() == pytest.approx(2.0, abs=0.01)
 
 
 def test_ties_are_dueled_most_promising_first_and_one_that_could_not_be_picked_is_not_dueled():

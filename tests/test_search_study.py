@@ -190,7 +190,7 @@ def test_each_machines_runs_are_gated_against_its_own_baseline(tmp_path):
     assert gated[4].status is Outcome.OK and gated[4].deviation == 0.0
     assert gated[5].status is Outcome.DIVERGED
     b = search.results[1].machine
-    assert b == "b (cpu)" and search._reference(b).number == 1 and search._noise(b).runs == 3
+    assert b == "b (cpu)" and search._reference(b).number == 1 and search.noise(b).runs == 3
     assert [c for c, _ in search.candidates()] == [gc]
 
 
@@ -479,16 +479,16 @@ def test_the_study_span_counts_side_by_side_trials_once(tmp_path, storage):
 
 
 def test_a_configuration_that_compiles_gets_the_longer_timeout(tmp_path):
-    from autotune.search.search import COMPILE_MIN_TIMEOUT_S, FIRST_TIMEOUT_S
+    from autotune.search.costs import COMPILE_MIN_TIMEOUT_S, FIRST_TIMEOUT_S
 
     search = _search(tmp_path)
     search.results = []  # nothing measured yet: the first timeout
     compiling = [k for k in search.patch.knobs if k.compiles]
     assert [k.name for k in compiling] == ["compile.mode"]  # declared by the knob, not known to the search by name
     base = search.space.baseline()
-    assert search._timeout(base) == (FIRST_TIMEOUT_S, False)
-    assert search._timeout({**base, "compile.mode": "default"}) == (max(FIRST_TIMEOUT_S, COMPILE_MIN_TIMEOUT_S), False)
-    assert search._timeout({**base, "compile.scope": "blocks"}) == (FIRST_TIMEOUT_S, False)  # no compile without a mode
+    assert search.costs.timeout(base) == (FIRST_TIMEOUT_S, False)
+    assert search.costs.timeout({**base, "compile.mode": "default"}) == (max(FIRST_TIMEOUT_S, COMPILE_MIN_TIMEOUT_S), False)
+    assert search.costs.timeout({**base, "compile.scope": "blocks"}) == (FIRST_TIMEOUT_S, False)  # no compile without a mode
 
 
 # --- a database that fails for a moment ------------------------------------------------------------------------

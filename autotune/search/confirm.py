@@ -104,7 +104,7 @@ def confirm_candidates(s: Confirming) -> list[Confirmation]:
         return out  # the descent, ties re-measured in pairs, found nothing faster: nothing to confirm
     ranked = s.candidates()[:MAX_CANDIDATES]
     for k, (config, search_speedup) in enumerate(ranked):
-        if k and s.time_left() < s.confirm_reserve(config):
+        if k and s.costs.time_left() < s.costs.confirm_reserve(config):
             break  # the time set aside was for the first candidate; a second one runs only if it fits
         c = confirm_one(s, config, search_speedup, (k + 1, len(ranked)), must=k == 0)
         out.append(c)
@@ -137,7 +137,7 @@ def confirm_one(
             if len(so_far.ratios) < s.o.confirm:
                 stopped = f"{j} pairs run, {j - len(so_far.ratios)} of them not measured"
             break
-        pair_cost = s.baseline_cost() + s.cost_of(config)
+        pair_cost = s.costs.baseline_cost() + s.costs.cost_of(config)
         # the pairs set aside for may use the budget's slack; more than those, or a second candidate, only what
         # is left of the budget itself
         end = s.hard_end if must and len(so_far.ratios) < s.o.confirm else s.deadline

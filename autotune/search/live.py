@@ -101,7 +101,7 @@ class SearchDisplay:
             return ""
         runs = f"{len(s.results)} runs"
         if s.o.budget:
-            return f"{runs}, {duration(s.time_left())} of {duration(s.o.budget)} left"
+            return f"{runs}, {duration(s.costs.time_left())} of {duration(s.o.budget)} left"
         target = s.target()
         return f"{runs}, {len(s.measured())} of {target} configurations" if target else runs
 
@@ -157,7 +157,7 @@ class SearchDisplay:
         s = self.search
         if self.task is None or s is None:
             return
-        done = (s.o.budget - s.time_left()) if s.o.budget else len(s.measured())
+        done = (s.o.budget - s.costs.time_left()) if s.o.budget else len(s.measured())
         self.progress.update(self.task, description=description, completed=done)
 
     def _render(self):

@@ -21,12 +21,8 @@ if TYPE_CHECKING:
 
 
 class Clock(Protocol):
-    """The budget: the time left, what a run is expected to cost, what is set aside for confirmation."""
-
-    clock: Callable[[], float]
-    deadline: float  # the end of --time-budget
-    hard_end: float  # no run goes past this (the budget's slack, less the outputs' time)
-    reserve_now: float  # the time a run now must leave for what comes after it
+    """The budget (costs.Costs, the search's ``costs``): the time left, what a run is expected to cost, what is set
+    aside for confirmation."""
 
     def time_left(self) -> float: ...
 
@@ -82,8 +78,14 @@ class Trials(Protocol):
     def cache_path(self, config: Mapping[str, Any]) -> Path | None: ...
 
 
-class Confirming(Clock, Runs, Trials, Protocol):
+class Confirming(Runs, Trials, Protocol):
     """What confirmation, whole runs and the compile cache's measure use: runs, the budget and the verdict rule."""
+
+    costs: Clock
+    clock: Callable[[], float]
+    deadline: float  # the end of --time-budget
+    hard_end: float  # no run goes past this (the budget's slack, less the outputs' time)
+    reserve_now: float  # the time the run starting now must leave for what comes after it
 
     def candidates(self) -> list[tuple[dict[str, Any], float]]: ...
 
@@ -98,7 +100,7 @@ class Confirming(Clock, Runs, Trials, Protocol):
 class Viewed(Runs, Protocol):
     """What the strategy's view of the study (view.py) reads."""
 
-    def affordable(self, config: Mapping[str, Any]) -> bool: ...
+    costs: Clock
 
 
 class Shown(Protocol):
@@ -106,8 +108,7 @@ class Shown(Protocol):
 
     o: SearchOptions
     results: list[TrialResult]
-
-    def time_left(self) -> float: ...
+    costs: Clock
 
     def target(self) -> int | None: ...
 

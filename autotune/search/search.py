@@ -21,13 +21,13 @@ from autotune.search.budget import (
     MIN_PAIRS,
     OUTPUT_S,
     RUN_MARGIN,
-    ALPHA,
     SLACK,
     Least,
     first_run_too_long,
     run_cost,
     run_lengths,
 )
+from autotune.search.costs import NOISY, Costs
 from autotune.search.credit import knob_worth, startup, whole_run
 from autotune.search.gate import Noise, gated, measure_noise
 from autotune.search.identity import Programs, thread_counts
@@ -46,10 +46,10 @@ from autotune.search.outcome import (
 )
 from autotune.search.machine import Machine, this_machine
 from autotune.search.space import config_key
-from autotune.search.strategy import Plan, label, sign_test
+from autotune.search.strategy import Plan, label
 from autotune.search.view import StudyView
 from autotune.search.carried import WITH as CACHE_WITH, measure as measure_saving
-from autotune.search.whole import measure as measure_whole, plan as plan_whole, predicted as predicted_whole
+from autotune.search.whole import measure as measure_whole
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME
 from autotune.contention import BUSY_OTHERS
 from autotune.search.storage import open_storage
@@ -80,17 +80,9 @@ from autotune.search.trial import (
 WORK_NAME = ".work"
 LOCK_NAME = ".autotune.lock"
 DB_NAME = "study.db"
-FIRST_TIMEOUT_S = 600.0  # the first baseline: nothing is known yet about how long the script takes
-MIN_TIMEOUT_S = 120.0  # later trials: at least this, and at least TIMEOUT_FACTOR x the slowest baseline
-TIMEOUT_FACTOR = 5.0
 # a configuration that compiles: inductor's autotuning (max-autotune) ran past 120 s on a small GPT on an H100
-COMPILE_MIN_TIMEOUT_S = 900.0
 MAX_HOPEFUL = 50  # hopeful configurations looked at (baked) for one not measured yet
 MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row before enumerating instead
-NOISY = 0.25  # baseline runs whose step times differ by more than this (relative) make a verdict unreliable
-COMPILE_GUESS_S = 60.0  # the compile time expected of a first compiling trial, before any was measured
-EXPENSIVE_FACTOR = 10.0  # an expensive choice (max-autotune) is expected to compile this many times longer
-EXPENSIVE_MIN_S = 300.0
 WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
 
 
@@ -141,9 +133,7 @@ class Search:
         self._asked: tuple[int, int] | None = None  # the lengths asked for, while runs run lengthened beyond them
         self.reserved_s: float | None = None
         self.plan: Plan | None = None
-        self._overheads: list[float] = []  # the search's own seconds around each run (see _overhead)
-        self._last_end: float | None = None
-        self._waited = False
+        self.costs = Costs(self)  # time accounting: run costs, the time set aside, the time left, timeouts
         self.reserve_now = 0.0  # the time the run starting now must leave for what comes after it
 
     # --- the parts ---------------------------------------------------------------------------------------------
@@ -192,7 +182,7 @@ class Search:
             self.display.begin(self)
             try:
                 stopped = self._explore()
-                self.reserved_s = self.confirm_reserve() if math.isfinite(self.deadline) else None
+                self.reserved_s = self.costs.confirm_reserve() if math.isfinite(self.deadline) else None
                 confirmations = [measure_whole(self, c) if c.accepted else c for c in confirm_candidates(self)]
                 saving = measure_saving(self, next((c for c in confirmations if c.accepted), None))
             except UsageError:  # a refusal (the budget too small for one run, a script too short): nothing written
@@ -250,7 +240,7 @@ class Search:
             device=self.device,
             results=results,
             reference=self._reference(machine),
-            noise=self._noise(machine),
+            noise=self.noise(machine),
             confirmations=tuple(confirmations),
             winner=winner,
             stopped=stopped,
@@ -279,7 +269,7 @@ class Search:
         )
 
     def _warning(self, machine: str) -> str | None:
-        spread = self._noise(machine).time
+        spread = self.noise(machine).time
         if spread is None or spread <= NOISY:
             return None
         return noise_warning(spread, self._all_baselines(machine), self.threads)
@@ -313,98 +303,14 @@ class Search:
 
     # timing and budgets
 
+    def compiles(self, config: Mapping[str, Any]) -> bool:
+        return any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs)
+
     def mine(self, machine: str | None = None) -> str:
         """``machine``, else the one this worker runs on (or, for ``autotune report``, the one it reports on)."""
         if machine is not None:
             return machine
         return self.machine.key if self.machine else self.reported
-
-    def baseline_cost(self) -> float:
-        """Seconds one run of the baseline takes on this machine at the current run lengths (0 before any ran)."""
-        walls = [self._scaled(r) for r in self.baselines()] or [self._scaled(r) for r in self.results if r.measured]
-        return statistics.median(walls) if walls else 0.0
-
-    def _scaled(self, r: TrialResult) -> float:
-        """Seconds a run like ``r`` takes the search at the current run lengths (it may have run before they were
-        fitted): the run itself, and the search's own time around each run (study, plan, baking)."""
-        if not r.measured or not r.step_time or not r.steps_done:
-            return r.wall_s + self._overhead()
-        return run_cost(r.wall_s, r.step_time, r.steps_done).of(*self.lengths) + self._overhead()
-
-    def _overhead(self) -> float:
-        """The search's own seconds between one run's end and the next one's, beyond the run: the median of the
-        last ten (a trainer-step script's confirmation ran out of time at 4 of 5 pairs, its runs planned at 3.5 s
-        and taking 4.5 s)."""
-        return statistics.median(self._overheads[-10:]) if self._overheads else 0.0
-
-    def _count_overhead(self, result: TrialResult) -> None:
-        now = self.clock()
-        if self._last_end is not None and not self._waited and result.wall_s:
-            self._overheads.append(max(now - self._last_end - result.wall_s, 0.0))
-        self._last_end, self._waited = now, False
-
-    def compiles(self, config: Mapping[str, Any]) -> bool:
-        return any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs)
-
-    def cost_of(self, config: Mapping[str, Any]) -> float:
-        """Seconds the next run of ``config`` is expected to take: as its program's latest run took, else the
-        baseline's, plus its compile time if it compiles (from cold: as the compiling programs' first runs took)."""
-        base = self.baseline_cost()
-        measured = self._latest(config)
-        if measured is not None:
-            return self._scaled(measured)
-        if not self.compiles(config):
-            return base
-        return base + self._compile_s(config, self._compile_extras(warm=False))
-
-    def _repeat_cost(self, config: Mapping[str, Any]) -> float:
-        """Seconds each run of ``config``'s confirmation is expected to take. A compiling program's first run compiles
-        from cold; the runs after it find the compiler's caches warm (bench/scripts/gpt_accum.py on 2 CPU cores: 26 s,
-        then 6 s; the baseline 4 s): where a second run of some compiling program has shown that, its extra time over
-        the baseline stands for the warm compile of any."""
-        programs = self._compiling_programs()
-        later = [r for rs in programs.values() for r in rs[1:]]
-        if not self.compiles(config) or not later:
-            return self.cost_of(config)
-        runs = programs.get(self.programs.program(config), [])
-        if len(runs) > 1:
-            return self._scaled(runs[-1])
-        base = self.baseline_cost()
-        warmups = [r.warmup_s for r in later if r.warmup_s is not None]
-        if runs and runs[0].warmup_s is not None and warmups:  # its own run, with a warm start-up for its cold one
-            return max(self._scaled(runs[0]) - runs[0].warmup_s + max(warmups), base)
-        return base + self._compile_s(config, [self._scaled(r) - base for r in later])
-
-    def _compile_s(self, config: Mapping[str, Any], extras: list[float]) -> float:
-        compile_s = max(max(extras, default=COMPILE_GUESS_S), 0.0)
-        if any(self.strategy.is_expensive(n, v) for n, v in config.items()):
-            compile_s = max(EXPENSIVE_FACTOR * compile_s, EXPENSIVE_MIN_S)
-        return compile_s
-
-    def _compile_extras(self, warm: bool) -> list[float]:
-        """The compiling programs' runs' time beyond the baseline's: their first runs (``warm`` False), or the runs
-        after them."""
-        base = self.baseline_cost()
-        runs = [r for rs in self._compiling_programs().values() for r in (rs[1:] if warm else rs[:1])]
-        return [self._scaled(r) - base for r in runs]
-
-    def _compiling_programs(self) -> dict[str, list[TrialResult]]:
-        """The measured runs of each compiling program, in order."""
-        programs: dict[str, list[TrialResult]] = {}
-        for r in self.results:
-            if r.measured and r.wall_s and r.role != ROLE_PERTURBED and self.compiles(r.config):
-                programs.setdefault(self.programs.program(r.config), []).append(r)
-        return programs
-
-    def _program_runs(self, config: Mapping[str, Any]) -> list[TrialResult]:
-        """The measured runs of ``config``'s program, in order (not the baseline on other threads: it is slower)."""
-        key = self.programs.program(config)
-        return [r for r in self.results if r.measured and r.wall_s and r.role != ROLE_PERTURBED
-                and self.programs.program(r.config) == key]
-
-    def _latest(self, config: Mapping[str, Any]) -> TrialResult | None:
-        runs = self._program_runs(config)
-        return runs[-1] if runs else None
 
     def _to_repeat(self) -> dict[str, Any] | None:
         """A compiling program to run a second time, where the time set aside for confirmation stops the search and no
@@ -413,7 +319,7 @@ class Search:
         once per search, and only where that run fits beside a confirmation at the least it could cost (Accelerate's
         nlp_example at 300 s: sized by its cold compile, the reserve stopped the search at 173 s)."""
         me = self.machine.key
-        if self._compile_extras(warm=True) or any(r.role == ROLE_REPEAT and r.machine == me for r in self.results):
+        if self.costs.compile_extras(warm=True) or any(r.role == ROLE_REPEAT and r.machine == me for r in self.results):
             return None
         ranked = self.candidates()
         if ranked and self.compiles(ranked[0][0]):
@@ -421,9 +327,9 @@ class Search:
         else:
             config = next((dict(r.config) for r in reversed(self.results)
                            if r.measured and r.machine == me and self.compiles(r.config)), None)
-        if config is None or len(self._program_runs(config)) != 1:
+        if config is None or len(self.costs.program_runs(config)) != 1:
             return None
-        return config if self.time_left() >= RUN_MARGIN * self.cost_of(config) + self._least_reserve() else None
+        return config if self.costs.time_left() >= RUN_MARGIN * self.costs.cost_of(config) + self.costs.least_reserve() else None
 
     def _repeat(self) -> bool:
         """Run a compiling program a second time where ``_to_repeat`` says so; whether it ran."""
@@ -432,86 +338,9 @@ class Search:
             return False
         why = ("the time kept for confirmation, sized by compiling runs from cold, stops the search: a second run "
                "shows what a run costs with the compiler's caches warm")
-        self.reserve_now = self._least_reserve()
+        self.reserve_now = self.costs.least_reserve()
         self.run_trial(again, ROLE_REPEAT, {"why": why}, claim_key(ROLE_REPEAT, self.machine.key, self.programs.program(again)))
         return True
-
-    def _least_reserve(self) -> float:
-        """The least a confirmation could cost: each of its runs as long as the baseline's."""
-        return RUN_MARGIN * self._pairs_kept() * 2 * self.baseline_cost()
-
-    def confirm_reserve(self, config: Mapping[str, Any] | None = None) -> float:
-        """The time set aside for confirming ``config`` (or the best candidate so far): ``_pairs_kept()`` A/B pairs,
-        with the margin a single run gets (runs vary: makemore's fifth pair was cut by the budget with four of four
-        faster)."""
-        ranked = self.candidates()
-        if config is None:
-            config = ranked[0][0] if ranked else None
-        cost = self._repeat_cost(config) if config is not None else self.baseline_cost()
-        # the whole runs only once a candidate passed: before that they would only stop the search from finding one
-        # (a Trainer fine-tune's search gave up with 220 s of 300 left, the whole runs' share counted)
-        whole = self._whole_reserve(cost) if ranked else 0.0
-        return RUN_MARGIN * (self._pairs_kept() * (self.baseline_cost() + cost) + whole)
-
-    def _whole_reserve(self, cost: float) -> float:
-        """The time the winner's whole-run pairs are expected to take (0 where none will run): each run as the
-        first baseline's would take to the run's end, the candidate's with its extra start-up (``cost``, its trial
-        run, beyond the baseline's)."""
-        steps, found = self.train_steps, self._found_length()
-        if not steps or found is None or not found.measured:
-            return 0.0
-        base = predicted_whole(found, steps)
-        need, _ = plan_whole(self, base, base + max(cost - self.baseline_cost(), 0.0))
-        return need or 0.0
-
-    def _pairs_kept(self) -> int:
-        """The A/B pairs the time set aside for confirmation covers: --confirm; on a machine whose baseline runs
-        differ by more than NOISY, as many as it takes for one pair lost to the noise to leave the sign test still
-        saying faster (8 with --confirm 5: 7 of 8 faster gives p = 0.035). makemore at 300 s: its 1.25x candidate
-        (baseline runs 58% apart) was faster in 5 of 6 pairs when the budget ended, after a single slow pair."""
-        spread = self._noise().time
-        if spread is None or spread <= NOISY:
-            return self.o.confirm
-        return next(n for n in range(self.o.confirm, 64) if sign_test(n - 1, n) <= ALPHA)
-
-    def time_left(self) -> float:
-        return self.deadline - self.clock()
-
-    def _timeout(self, config: Mapping[str, Any], reserve: float = 0.0, to_end: bool = False) -> tuple[float, bool]:
-        """A run's timeout, and whether the budget set it (shorter than the run's own: --timeout, else 5 times the
-        slowest baseline run, at least 120 s, 900 s where it compiles, 600 s for the first run; a whole run: as the
-        slowest baseline run would take to the run's end)."""
-        if self.o.timeout is not None:
-            timeout = self.o.timeout
-        else:
-            steps = self.train_steps
-            walls = [predicted_whole(r, steps) if to_end and steps else r.wall_s for r in self.baselines()]
-            timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
-            if self.compiles(config):
-                timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
-        if math.isfinite(self.hard_end):  # a run never eats the time set aside for what comes after it
-            left = max(self.hard_end - self.clock() - reserve, 1.0)
-            if left < timeout:
-                return left, True
-        return timeout, False
-
-    def affordable(self, config: Mapping[str, Any]) -> bool:
-        """Whether the time left covers a run of ``config`` (with a margin: runs vary) and the confirmation."""
-        return self.time_left() >= RUN_MARGIN * self.cost_of(config) + self._reserve_for(config)
-
-    def _reserve_for(self, config: Mapping[str, Any] | None) -> float:
-        """The time to keep after a run of ``config``: confirming the best candidate so far, or ``config`` itself
-        should it become the best, where its cost is known (a compiling configuration tried last costs more to
-        confirm: makemore's was tried with 44 s left, won, and its confirmation ran out of time at 4 of 5 pairs).
-        Before any compiling run was measured its compile time is a guess (60 s), which must not shut compilation
-        out of a short budget: the best candidate's reserve then."""
-        best = self.confirm_reserve()
-        if config is None or (self.compiles(config) and not self._compile_measured()):
-            return best
-        return max(best, self.confirm_reserve(config))
-
-    def _compile_measured(self) -> bool:
-        return any(r.measured and self.compiles(r.config) for r in self.results)
 
     def target(self) -> int | None:
         """How many distinct configurations (the baseline included) the study measures at most, by all its workers."""
@@ -547,7 +376,7 @@ class Search:
         return [r for r in self.results
                 if r.role == ROLE_PERTURBED and r.measured and r.machine == machine and self._whole(r)]
 
-    def _noise(self, machine: str | None = None) -> Noise:
+    def noise(self, machine: str | None = None) -> Noise:
         """The baseline's noise on ``machine``: in loss from its baseline runs, in time from every run of the
         baseline there (confirmation's baseline arms too)."""
         noise = measure_noise(self.baselines(machine), self._perturbed(machine))
@@ -574,11 +403,11 @@ class Search:
             return result
         changed = self.space.changed(result.config)
         judged = not (result.role in (ROLE_BASELINE, ROLE_PERTURBED) or (result.role == ROLE_CONFIRM and not changed))
-        return gated(result, ref, changed, noise or self._noise(result.machine), self.o.rtol, judged)
+        return gated(result, ref, changed, noise or self.noise(result.machine), self.o.rtol, judged)
 
     def regate(self, results: list[TrialResult]) -> list[TrialResult]:
         """Every trial judged again with the noise measured over the whole study on its machine."""
-        noise = {m: self._noise(m) for m in {r.machine for r in results}}
+        noise = {m: self.noise(m) for m in {r.machine for r in results}}
         return [self._gate(r, noise[r.machine]) for r in results]
 
     def value_of(self, result: TrialResult) -> float:
@@ -609,10 +438,10 @@ class Search:
         this machine read it (the framework's own count, the loops' lengths as they started); None: unknown."""
         if self.o.train_steps:
             return self.o.train_steps
-        found = self._found_length()
+        found = self.found_length()
         return found.run_steps if found is not None else None
 
-    def _found_length(self) -> TrialResult | None:
+    def found_length(self) -> TrialResult | None:
         """The first baseline run on this machine that said how long the user's run is (or why it cannot)."""
         if self._length_run is None:
             key = self.machine.key if self.machine is not None else None  # (autotune report: any machine's)
@@ -625,7 +454,7 @@ class Search:
         steady-state speed (and why)."""
         if self.o.train_steps:
             return f"your run: {self.o.train_steps} optimizer steps (--train-steps), ranked by its whole time, compile included"
-        found = self._found_length()
+        found = self.found_length()
         if found is None:
             return None
         if found.run_steps is None:
@@ -668,7 +497,7 @@ class Search:
             return None
         first = self._reference() is None and role == ROLE_BASELINE
         self.display.trial_started(config, role)
-        timeout, cut = self._timeout(config, self.reserve_now, to_end=role == ROLE_WHOLE)
+        timeout, cut = self.costs.timeout(config, self.reserve_now, to_end=role == ROLE_WHOLE)
         cache = self._cache_of(config, role, attrs)
         if code is None:
             error = f"autotune cannot write this configuration as code: {self.programs.bake_errors[config_key(config)]}"
@@ -713,9 +542,9 @@ class Search:
         if number != trial.number:
             result = self.results[-1] = result.with_(number=number)
         self.display.trial_finished(result, result.speedup)
-        if first and self._length_run is None and self._found_length() is not None and not self.o.train_steps:
+        if first and self._length_run is None and self.found_length() is not None and not self.o.train_steps:
             self.display.note(self.run_length_note())  # read by the first run: every value after it uses it
-        self._count_overhead(result)
+        self.costs.count_overhead(result)
         self._watch_noise(result)
         if first and result.status is not Outcome.OK:
             self._baseline_failed(result)
@@ -794,7 +623,7 @@ class Search:
 
     def wait_for(self, what: str, keys: set[str]) -> None:
         """Let other workers finish trials this one needs: the study says when (or that their worker died)."""
-        self._waited = True  # (time spent waiting for other workers is not this worker's overhead)
+        self.costs.waited = True  # (time spent waiting for other workers is not this worker's overhead)
         if frozenset(keys) != self._waiting:
             self._waiting = frozenset(keys)
             self.display.note(f"waiting for {len(keys)} {what}")
@@ -836,7 +665,7 @@ class Search:
                 need += 1  # the first run is shorter than the runs are now: one more at their length
         # on a GPU, runs that agree bit for bit at first drift apart from a step that varies run to run (atomics): where
         # the first two differ, a third back to back, so that the noise floor is not one sample's chance
-        if self.device == "cuda" and len(self.baselines()) == 2 and not self._noise().deterministic:
+        if self.device == "cuda" and len(self.baselines()) == 2 and not self.noise().deterministic:
             self.run_trial(self.space.baseline(), ROLE_BASELINE,
                         {"why": "the first two baseline runs' losses differ: a third measures how far they drift"})
         # on a CPU, where baseline runs agree bit for bit, one more on another number of threads shows how far this
@@ -882,9 +711,9 @@ class Search:
                 config = self._unmeasured()
                 if config is None:
                     return f"all {self.space.size} configurations measured ({len(self.measured())} distinct programs)"
-            self.reserve_now = self._reserve_for(config)
-            cost = self.cost_of(config) if config is not None else self.baseline_cost()
-            if self.time_left() < RUN_MARGIN * cost + self.reserve_now:
+            self.reserve_now = self.costs.reserve_for(config)
+            cost = self.costs.cost_of(config) if config is not None else self.costs.baseline_cost()
+            if self.costs.time_left() < RUN_MARGIN * cost + self.reserve_now:
                 if self._repeat():
                     continue
                 return self._out_of_time(need=RUN_MARGIN * cost + self.reserve_now)
@@ -912,13 +741,13 @@ class Search:
         measured = self.measured()
         for config in self.strategy.hopeful(self.view(), self.plan.blamed if self.plan else ())[:MAX_HOPEFUL]:
             key = self.programs.program(config)
-            if key not in measured and key not in self._taken and self.affordable(config):
+            if key not in measured and key not in self._taken and self.costs.affordable(config):
                 why = "after the descent: an untried configuration the measured knob changes leave hope for"
                 return config, {"phase": "hope", "why": why}
         return None
 
     def _converged(self) -> str:
-        left = self.time_left()
+        left = self.costs.time_left()
         spare = f" ({left:.0f}s of the budget left)" if math.isfinite(left) and left > 0 else ""
         return (
             "the descent converged, and no untried configuration could beat the best by more than the noise: each "
@@ -933,7 +762,7 @@ class Search:
 
     def _out_of_time(self, untried: str = "", need: float | None = None) -> str:
         said = f" ({untried})" if untried else ""
-        left = max(self.time_left(), 0)
+        left = max(self.costs.time_left(), 0)
         tried = [r for r in self.results if r.role == ROLE_SEARCH and r.machine == self.machine.key]
         if need is not None and self.o.budget and not any(r.status is Outcome.OK for r in tried):  # what one needs
             used = self.clock() - self.started
@@ -963,7 +792,7 @@ class Search:
             return False
         first = self.results[0]
         cost = run_cost(first.wall_s, first.step_time or 0.0, first.steps_done or sum(self.lengths))
-        left = self.time_left() if math.isfinite(self.deadline) else None
+        left = self.costs.time_left() if math.isfinite(self.deadline) else None
         asked = self.lengths
         got = run_lengths(cost, *asked, self.o.lengthen and not self.o.train_steps, self._least(), left,
                           self.clock() - self.started, self.o.budget or 0.0)

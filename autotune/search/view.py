@@ -55,7 +55,7 @@ class StudyView:
         return self._threshold
 
     def affordable(self, config) -> bool:
-        return self.s.affordable(config)
+        return self.s.costs.affordable(config)
 
     def costly(self, config) -> bool:
         return self.s.compiles(config)
