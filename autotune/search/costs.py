@@ -159,7 +159,7 @@ class Costs:
         return RUN_MARGIN * self.pairs_kept() * 2 * self.baseline_cost()
 
     def confirm_reserve(self, config: Mapping[str, Any] | None = None) -> float:
-        """The time set aside for confirming ``config`` (or the best candidate so far): ``_pairs_kept()`` A/B pairs,
+        """The time set aside for confirming ``config`` (or the best candidate so far): ``pairs_kept()`` A/B pairs,
         with the margin a single run gets (runs vary: makemore's fifth pair was cut by the budget with four of four
         faster)."""
         ranked = self.s.candidates()
