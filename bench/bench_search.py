@@ -52,7 +52,7 @@ from autotune.project import load_project  # noqa: E402
 from autotune.patch import PatchResult, run as patch_project, select  # noqa: E402
 from autotune.search.gate import judge, measure_noise  # noqa: E402
 from autotune.search.live import changed_text  # noqa: E402
-from autotune.search.costs import COMPILE_MIN_TIMEOUT_S, FIRST_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_FACTOR  # noqa: E402
+from autotune.search.costs import own_timeout  # noqa: E402
 from autotune.search.search import local_speedups  # noqa: E402
 from autotune.search.prepare import start_of  # noqa: E402
 from autotune.search.space import build_space, config_key, read_space  # noqa: E402
@@ -181,10 +181,7 @@ class Bench:
     def timeout(self, config: Mapping[str, Any]) -> float:
         """The search's trial timeout: from the slowest baseline run, longer for configurations that compile."""
         walls = [r.wall_s for r in self.results if r.role == ROLE_BASELINE and r.measured]
-        timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
-        if any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs):
-            timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
-        return timeout
+        return own_timeout(walls, any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs))
 
     def trial(self, config: Mapping[str, Any], role: str, label: str) -> TrialResult:
         """One trial, numbered in run order (local_speedups pairs it with the baseline runs around it)."""

@@ -35,6 +35,13 @@ EXPENSIVE_FACTOR = 10.0  # an expensive choice (max-autotune) is expected to com
 EXPENSIVE_MIN_S = 300.0
 
 
+def own_timeout(baseline_walls: list[float], compiles: bool) -> float:
+    """A run's own timeout: 5 times the slowest baseline run (``baseline_walls``), at least 120 s, 900 s where it
+    compiles; 600 s before any baseline ran."""
+    timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(baseline_walls)) if baseline_walls else FIRST_TIMEOUT_S
+    return max(timeout, COMPILE_MIN_TIMEOUT_S) if compiles else timeout
+
+
 class Costed(Protocol):
     """What the time accounting reads of the search: the study's runs, the run lengths, the budget's ends."""
 
@@ -204,9 +211,7 @@ class Costs:
         else:
             steps = self.s.train_steps
             walls = [predicted_whole(r, steps) if to_end and steps else r.wall_s for r in self.s.baselines()]
-            timeout = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * max(walls)) if walls else FIRST_TIMEOUT_S
-            if self.s.compiles(config):
-                timeout = max(timeout, COMPILE_MIN_TIMEOUT_S)
+            timeout = own_timeout(walls, self.s.compiles(config))
         if math.isfinite(self.s.hard_end):  # a run never eats the time set aside for what comes after it
             left = max(self.s.hard_end - self.s.clock() - reserve, 1.0)
             if left < timeout:
