@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -186,3 +187,44 @@ def test_a_whole_run_goes_on_past_its_window_to_the_scripts_own_end(whole, exit_
         assert result.status is Outcome.CRASH and result.error == "exit status 3 after the measured steps", result.error
     else:
         assert result.status is Outcome.OK, result.stderr_tail
+
+
+# What torch's gloo group does to a rank now and then as the interpreter tears down, after the script's end
+# ("terminate called without an active exception", SIGABRT): here an object that aborts as it is finalised.
+TEARDOWN = NESTED + '''
+import os
+
+RANK = int(os.environ.get("RANK", "0"))
+HOW = os.environ["HOW"]
+
+
+class Group:
+    def __del__(self, abort=os.abort):  # (the module's globals may be gone by then)
+        abort()
+
+
+if HOW == "teardown" and RANK == 0:
+    group = Group()  # finalised with the module, after the script's end
+elif HOW == "before-end" and RANK == int(os.environ.get("WORLD_SIZE", "1")) - 1:  # the last rank
+    os.abort()
+elif HOW == "raises":
+    group = Group()
+    raise RuntimeError("evaluation failed")
+'''
+
+
+@pytest.mark.parametrize("launcher", [False, True], ids=["one-process", "two-ranks"])
+@pytest.mark.parametrize("how", ["teardown", "before-end", "raises"])
+def test_a_whole_run_aborted_in_the_interpreters_teardown_counts_and_says_so(launcher, how, tmp_path):
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(TEARDOWN))
+    fake = (sys.executable, str(Path(__file__).parent / "fake_launcher.py"), "--nproc", "2") if launcher else ()
+    settings = TrialSettings((), tmp_path, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": "", "HOW": how}, fake)
+    result = Runner(run(load_project(script)), tmp_path / "work", settings).run({}, "whole", timeout=120, whole=True)
+    assert (result.steps_done, len(result.step_times)) == (3, 2)  # the window was measured either way
+    if how == "teardown":  # the script ran to its end: the run's time counts, with what ended it
+        assert result.status is Outcome.OK, (result.error, result.stderr_tail)
+        assert result.exit_note and "after the script ended (Fatal Python error: Aborted)" in result.exit_note
+    else:  # it died before its end, or an exception ended it: the run failed
+        assert result.status is Outcome.CRASH and result.exit_note is None, result

@@ -32,6 +32,8 @@ class WholeRuns:
     pairs: tuple[tuple[float, float], ...] = ()  # (baseline seconds, candidate seconds), process start to exit
     failed: TrialResult | None = None  # a candidate run that failed: the tuned script's run would fail too
     skipped: str | None = None  # why none (or not all) ran
+    # runs that died in the interpreter's teardown after their script ended (TrialResult.exit_note): time counted
+    teardown: int = 0
 
     @property
     def ratios(self) -> tuple[float, ...]:
@@ -57,6 +59,9 @@ class WholeRuns:
         r = self.ratios
         spread = f", {min(r):.2f}x to {max(r):.2f}x" if len(r) > 1 else ""
         cut = f"; {self.skipped}" if self.skipped else ""
+        if self.teardown:
+            cut += (f"; {self.teardown} run{'s' if self.teardown != 1 else ''} aborted in torch's teardown after "
+                    "the script ended (counted to the abort)")
         return (f"your {self.steps}-step run measured whole (process start to exit, {len(r)} A/B pair"
                 f"{'s' if len(r) != 1 else ''}): {before:.1f}s -> {after:.1f}s ({self.speedup:.2f}x{spread}){cut}")
 

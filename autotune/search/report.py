@@ -420,6 +420,8 @@ def _trial_lines(o: SearchOutcome) -> list[str]:
         note = ""
         if r.status is not Outcome.OK:
             note = r.error or stderr_summary(r.stderr_tail)
+        elif r.exit_note:
+            note = r.exit_note
         if r.role in (ROLE_CONFIRM, ROLE_WHOLE, ROLE_CACHE):
             whole = {ROLE_WHOLE: f", whole run {r.wall_s:.1f}s", ROLE_CACHE: f" the compile cache, empty compiler caches, "
                      f"{r.wall_s:.1f}s"}.get(r.role, "")

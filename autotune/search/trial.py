@@ -113,6 +113,8 @@ class TrialResult:
     # what else ran on the machine during the measured window, in processors' worth (autotune.contention): own,
     # others, steal (a share), cores; None where it could not be read
     contention: Mapping[str, float] | None = None
+    # a whole run that ended its script, then died in the interpreter's teardown: what killed it (its time counts)
+    exit_note: str | None = None
 
     @property
     def machine(self) -> str:
@@ -320,6 +322,21 @@ def _started_ranks(tdir: Path) -> dict[int, int]:
             continue
         out[rank] = world
     return out
+
+
+def teardown_fatal(tdir: Path, world: int) -> str | None:
+    """The fatal error (``Fatal Python error: Aborted``) a whole run met in the interpreter's teardown, where every
+    one of its ``world`` ranks ran its script to the end without an uncaught exception (the ``result*.exit`` files
+    the runtime writes at exit); else None: an exit that failed before that is the run's own failure."""
+    marks = []
+    for path in tdir.glob("result*.exit"):
+        try:
+            marks.append(path.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            return None
+    if len(marks) < world or not all(m.startswith("ended") for m in marks):
+        return None
+    return next((line for m in marks for line in m.splitlines() if line.startswith("Fatal Python error")), None)
 
 
 def _never() -> bool:
@@ -585,7 +602,7 @@ class Runner:
             started = time.perf_counter()
             pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start, whole)
             wall = time.perf_counter() - started
-            return self._result(tdir, config, role, attrs, (rc, timed_out, hung_at_exit), timeout, wall, pid)
+            return self._result(tdir, config, role, attrs, (rc, timed_out, hung_at_exit), timeout, wall, pid, whole)
         finally:
             if iso is not None:
                 iso.remove()  # what the trial wrote into your folders goes with it
@@ -656,7 +673,7 @@ class Runner:
 
     def _result(
         self, tdir: Path, config: Mapping[str, Any], role: str, attrs: Mapping[str, Any] | None,
-        ended_how: tuple[int | None, bool, bool], timeout: float, wall: float, pid: int,
+        ended_how: tuple[int | None, bool, bool], timeout: float, wall: float, pid: int, whole: bool = False,
     ) -> TrialResult:
         """What the trial's files and its exit say, as a typed result."""
         s = self.settings
@@ -677,6 +694,12 @@ class Runner:
             # a rank failed or ended early, and the others waited for it until they were stopped: what that rank
             # wrote is the outcome, not the signal that stopped the launcher
             rc = 0 if ended == "short" else None
+        exit_note = None
+        if whole and ended == "ok" and not timed_out and rc not in (0, None):
+            fatal = teardown_fatal(tdir, int((result or {}).get("ranks") or 1))
+            if fatal is not None:  # the script's work is done: torch's gloo teardown aborted it (runtime.mark_exit)
+                exit_note = f"exit status {rc} in the interpreter's teardown, after the script ended ({fatal})"
+                rc = 0
         status, error = classify(rc, timed_out, result, tail, s.warmup + s.steps)
         if timed_out:
             error = f"still running after {timeout:.0f}s (--timeout): killed with everything it started"
@@ -708,6 +731,7 @@ class Runner:
             run_steps_from=str(r["run_steps_from"]) if r.get("run_steps_from") is not None else None,
             compile_cache_loaded=r.get("compile_cache_loaded"),
             contention=r.get("contention") if r.get("status") == "ok" else None,
+            exit_note=exit_note,
         )
         return out
 

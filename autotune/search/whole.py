@@ -38,14 +38,15 @@ def arms(results: list[TrialResult], key: str, machine: str) -> dict[tuple[int, 
 def judge(got: Mapping[tuple[int, str], TrialResult], steps: int | None, skipped: str | None = None) -> WholeRuns:
     """What the pairs ``got`` show: each pair where both runs ended ok, and the first candidate run that failed
     (a timeout or an interrupted run measured nothing: no evidence either way)."""
-    pairs, failed = [], None
+    pairs, failed, teardown = [], None, 0
     for j in sorted({j for j, _ in got}):
         b, c = got.get((j, "baseline")), got.get((j, "candidate"))
         if c is not None and failed is None and c.status not in (Outcome.OK, *UNMEASURED):
             failed = c
         if b is not None and c is not None and b.status is Outcome.OK and c.status is Outcome.OK:
             pairs.append((b.wall_s, c.wall_s))
-    return WholeRuns(steps, tuple(pairs), failed, skipped)
+            teardown += (b.exit_note is not None) + (c.exit_note is not None)
+    return WholeRuns(steps, tuple(pairs), failed, skipped, teardown)
 
 
 def kept(c: Confirmation, w: WholeRuns) -> Confirmation:
