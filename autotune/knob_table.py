@@ -372,7 +372,7 @@ KNOBS = {knob.name: knob for knob in (
         'default',
         Numerics.LOWP,
         devices=frozenset({'cpu', 'cuda'}),
-        help='Trainer(precision=...): bf16 or fp16 autocast with float32 weights (16-mixed adds a gradient scaler and needs CUDA)',
+        help='Trainer(precision=...): bf16 or fp16 autocast with float32 weights (16-mixed adds a gradient scaler; on a CPU Lightning runs bf16 instead)',
         compiles=False,
         role=Role.PRECISION,
     ),

@@ -823,6 +823,7 @@ def hf_trainer_resolved(args: Any) -> None:
 # each knob's setting -> the Trainer keywords that decide it (a script that writes one keeps its choice)
 LIGHTNING_SETTINGS = {"precision": ("precision",), "benchmark": ("benchmark",)}
 LIGHTNING_OFF = (None, "32-true", "32", 32)  # the script's own precision switch is off: full precision
+_lightning_script_chose: set[str] = set()  # settings whose switch the script turned on itself in this run
 
 
 def lightning_settings(values: dict[str, Any]) -> dict[str, Any]:
@@ -844,9 +845,13 @@ def lightning_trainer_args(script_sets: tuple[str, ...] = ()) -> dict[str, Any]:
 
 def lightning_trainer_resolved(trainer: Any) -> None:
     """Record the knobs whose setting the Trainer resolved: its precision plugin's precision, and cuDNN's benchmark
-    flag as the Trainer set it (read back from the framework, not from what autotune passed)."""
+    flag as the Trainer set it (read back from the framework, not from what autotune passed).
+
+    The precision counts where the Trainer trains at a mixed precision the script did not choose itself: on a CPU,
+    Lightning runs ``16-mixed`` as ``bf16-mixed`` (with a warning), which changes the program all the same."""
     precision = knob("lightning_trainer.precision", record=False)
-    if precision != "default" and str(getattr(trainer, "precision", "")) == precision:
+    resolved = str(getattr(trainer, "precision", ""))
+    if precision != "default" and resolved.endswith("-mixed") and "precision" not in _lightning_script_chose:
         took_effect("lightning_trainer.precision")
     if knob("lightning_trainer.benchmark", record=False):
         import torch
@@ -859,7 +864,13 @@ def lightning_trainer_switch(setting: str, script_value: Any) -> Any:
     """``precision=args.precision``: the script's value where its switch is on; where it is full precision, the
     knob's (which the trial reads back from the Trainer, as for a precision the script leaves out)."""
     value = knob(f"lightning_trainer.{setting}", record=False)
-    return script_value if script_value not in LIGHTNING_OFF or value == "default" else value
+    if script_value not in LIGHTNING_OFF:
+        _lightning_script_chose.add(setting)
+        return script_value
+    return script_value if value == "default" else value
+
+
+on_reset(_lightning_script_chose.clear)
 
 
 # --- nccl_env (transforms/nccl_env.py) ------------------------------------------------------------

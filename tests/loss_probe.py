@@ -280,6 +280,8 @@ def _run_child(script: str, script_args: list[str], steps: int, out: str) -> int
     elapsed = time.perf_counter() - t0
 
     payload = {"losses": list(losses), "ended": ended, "steps": steps, "elapsed_s": round(elapsed, 4)}
+    runtime = sys.modules.get("autotune.runtime")  # a patched script: the knobs whose code ran with their value
+    payload["applied"] = list(runtime.applied()) if runtime is not None else None
     if error is not None:
         payload["error"] = error
     _write_json_atomic(out, payload)

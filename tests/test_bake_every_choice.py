@@ -1,4 +1,5 @@
-"""Every choice of every knob: the baked script trains exactly like the patched script set to that choice.
+"""Every choice of every knob: the baked script trains exactly like the patched script set to that choice, and the
+knobs the patched run reports as applied are exactly those whose value changes the baked text.
 
 The two forms of a knob (the runtime helper a gated edit calls, and the plain code ``autotune bake`` writes) live in
 the knob's transform module; this is what keeps them the same. Each choice is covered once, by the first fixture
@@ -8,17 +9,19 @@ other than the default, so a fixture costs as many patched and baked runs as its
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 from dist_probe import run_dist_probe
-from loss_probe import run_probe
+from loss_probe import probe, run_probe
 
 from autotune.project import load_project
 from autotune.bake import bake
 from autotune.knob_table import KNOBS
 from autotune.patch import run, select, write_outputs
+from autotune.runtime import TRIAL_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "fixtures" / "scripts"
@@ -134,12 +137,35 @@ def test_baked_trains_like_patched_at_every_choice(script, args, rounds, i, tmp_
     patched = run(load_project(script), select())
     write_outputs(patched, tmp_path / "patched", script.name)
     entry = _write_baked(script, config, tmp_path / "baked")
-    env = {**PROBE_ENV, "AUTOTUNE_CONFIG": str(_config(tmp_path / "config.yaml", config))}
-    gated = run_probe(tmp_path / "patched" / patched.files[0].rel, list(args), steps=STEPS, out=tmp_path / "p.json",
-                      env=env, cwd=tmp_path, timeout=300)
+    env = {**PROBE_ENV, "AUTOTUNE_CONFIG": str(_config(tmp_path / "config.yaml", config)), TRIAL_ENV: _trial(tmp_path)}
+    ran = probe(tmp_path / "patched" / patched.files[0].rel, list(args), steps=STEPS, out=tmp_path / "p.json", env=env,
+                cwd=tmp_path, timeout=300)
     plain = run_probe(entry, list(args), steps=STEPS, out=tmp_path / "b.json", env=PROBE_ENV, cwd=tmp_path, timeout=300)
+    gated = ran["losses"]
     assert len(gated) == STEPS
     assert plain == gated, config
+    # what a trial credits is what the tuned script has: a knob took effect exactly where its value is in the text
+    assert set(ran["applied"]) == _baked_knobs(script, config), config
+
+
+def _trial(tmp_path: Path) -> str:
+    """A trial's spec that never ends the run (the probe stops it): the patched script runs as in a search's trial,
+    with its framework hooks, which are what record the knobs a Trainer's resolved settings hold."""
+    spec = tmp_path / "trial.json"
+    spec.write_text(json.dumps({"warmup": 0, "steps": 10**9, "result": str(tmp_path / "trial-result.json")}))
+    return str(spec)
+
+
+def _baked_knobs(script: Path, config: dict) -> set[str]:
+    """The knobs of ``config`` whose value the baked text shows: baking ``config`` without one of them writes
+    another text."""
+    project = load_project(script)
+
+    def texts(values: dict) -> list[str]:
+        return [f.new_text for f in bake(project, values, "cpu").files]
+
+    full = texts(config)
+    return {name for name in config if texts({k: v for k, v in config.items() if k != name}) != full}
 
 
 @pytest.mark.slow

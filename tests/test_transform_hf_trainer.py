@@ -46,6 +46,20 @@ def test_a_parsed_trainers_knobs_are_the_parsers_defaults_and_the_command_line_w
     assert site.status is Status.APPLICABLE and "a value given on the command line wins" in site.reason
 
 
+@pytest.mark.parametrize("installed", ["adamw_torch", "adamw_torch_fused"])
+def test_the_tuned_script_writes_the_fused_optimizer_only_where_the_trainer_does_not_use_it_already(installed,
+                                                                                                     monkeypatch):
+    # transformers 5 trains with adamw_torch_fused by default, older ones with adamw_torch: a trial reads which is
+    # installed (and credits nothing where fused is the default already), and so does the tuned script
+    from autotune.bake import bake
+    from autotune.transforms import hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "_installed_optim", lambda: installed)
+    baked = bake(load_project(case("hf_trainer", "plain")), {"hf_trainer.optim": "adamw_torch_fused"}, "cpu")
+    assert ('optim="adamw_torch_fused"' in baked.files[0].new_text) is (installed != "adamw_torch_fused")
+    assert baked.changed is (installed != "adamw_torch_fused")
+
+
 def _scan(tmp_path: Path, body: str) -> list:
     script = tmp_path / "train.py"
     script.write_text(

@@ -214,8 +214,18 @@ class HfTrainer(Transform):
 
     def _baked(self, settings: list[str]) -> dict[str, str]:
         """The keyword arguments (name -> code) a person would write for the chosen values of ``settings``."""
-        return {k: code_of(v) for k, v in hf_settings(
-            {s: self.mode.value(self.knob(s)) for s in settings}, default_optim=None).items()}
+        values = {s: self.mode.value(self.knob(s)) for s in settings}
+        return {k: code_of(v) for k, v in hf_settings(values, _baked_default_optim(values)).items()}
+
+
+def _baked_default_optim(values: dict[str, Any]) -> str | None:
+    """The installed TrainingArguments' own optim where the optim knob asks for one (None where transformers is not
+    installed): the tuned script writes no optim the Trainer uses already, as a trial does not set it (its runtime
+    asks the same)."""
+    try:
+        return _default_optim(values)
+    except ImportError:
+        return None
 
 
 def _conditional(facts: ModuleFacts, call: cst.Call, at: cst.BaseStatement) -> bool:
