@@ -111,7 +111,7 @@ def test_every_phase_runs_on_the_loader_fixture(tmp_path):
     md = tmp_path / "bench.md"
     out = tmp_path / "out"
     argv = ["--scripts", "loader", "--rounds", "1", "--steps", "3", "--warmup", "1", "--out", str(out), "--md", str(md),
-            "--search-arg=--trials=2", "--search-arg=--confirm=5", "--oracle-top", "2"]
+            "--search-arg=--trials=2", "--search-arg=--confirm=5", "--search-arg=--whole-runs=0", "--oracle-top", "2"]
     assert bench_search.main(argv) == 0
     text = md.read_text()
     assert "### loader on cpu" in text and "tuned / oracle = " in text

@@ -248,12 +248,14 @@ CPU_CONFIGS = [
 
 @pytest.mark.slow
 def test_losses_plain(tmp_path):
+    # loader workers change who loads a batch, never which: the same losses at every count (the baked script at
+    # each choice trains like the patched one: test_bake_every_choice; here one bake, of the most settings)
     base = original(tmp_path, T, "plain")
     gated = patched(T, "plain")
     assert losses(tmp_path, "default", gated) == base
     for i, knobs in enumerate(CPU_CONFIGS):
-        on = losses(tmp_path, f"on{i}", gated, knobs)
-        assert losses(tmp_path, f"baked{i}", baked(T, "plain", knobs)) == on == base, knobs
+        assert losses(tmp_path, f"on{i}", gated, knobs) == base, knobs
+    assert losses(tmp_path, "baked", baked(T, "plain", CPU_CONFIGS[1])) == base
 
 
 @pytest.mark.slow
