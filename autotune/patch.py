@@ -286,9 +286,20 @@ def _first_slice(loop: cst.For, start: str) -> str | None:
 
 def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
     """After the last optimizer step of each training step, ``_autotune.step(losses...)`` (a no-op outside trials),
-    once on whichever path the step takes; a loss or batch not bound on every path there is left out."""
+    once on whichever path the step takes; a loss or batch not bound on every path there is left out. A helper
+    that steps the optimizer for several loops (a warm-up loop and the training loop both calling
+    ``manager.step_optimizers()``) gets one hook, not one per loop: each would count the same step again."""
+    hooked: set[int] = set()  # the anchors given a hook in this pass
     for loop in project.loops:
-        scopes = [s for s in loop.scopes if s.module is facts and s.steps]
+        stepping = [s for s in loop.scopes if s.steps]
+        if stepping and not stepping[-1].backward:
+            # the optimizer steps in a helper the loop calls after its own backward() (a training manager's
+            # step_optimizers()): the step hook there sees no loss, so the loop's backward calls add theirs up
+            for other in loop.scopes:
+                if other.module is facts and other.backward and not other.steps and not any(
+                        facts.is_runtime_call(c, "accumulate") for c in facts.calls_in(other.owner)):
+                    _accumulate_hooks(facts, other, edits, hooked=hooked)
+        scopes = [s for s in stepping if s.module is facts]
         if not scopes:
             continue
         scope = scopes[-1]
@@ -300,6 +311,9 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
         counted = loop.module is facts and _steps_on_condition(facts, loop.node, scope)
         hidden = counted  # a path on which the step hook sees no loss: bound only inside an inner loop
         for anchor in _hook_anchors(facts, scope):
+            if id(anchor) in hooked:
+                continue
+            hooked.add(id(anchor))
             args = [] if counted else [code for code in losses if not unbound(facts, anchor, code, after=True)]
             hidden = hidden or (bool(losses) and not args)
             batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
@@ -308,7 +322,7 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
             edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
         if hidden:
             batch = _batch_name(loop) if counted else _micro_batch_name(facts, loop, scope)
-            _accumulate_hooks(facts, scope, edits, batch)
+            _accumulate_hooks(facts, scope, edits, batch, hooked)
         if loop.module is facts and not any(facts.is_runtime_call(c, "loop_length") for c in facts.calls):
             name = facts.path.relative_to(project.root).as_posix()
             group = f"{name}:{facts.position(loop.node)[0]}"
@@ -344,7 +358,9 @@ def _steps_on_condition(facts: ModuleFacts, loop: cst.CSTNode, scope: StepScope)
     return True
 
 
-def _accumulate_hooks(facts: ModuleFacts, scope: StepScope, edits: Edits, batch: str | None = None) -> None:
+def _accumulate_hooks(
+    facts: ModuleFacts, scope: StepScope, edits: Edits, batch: str | None = None, hooked: set[int] | None = None
+) -> None:
     """Gradient accumulation over an inner loop (``for micro in range(accum): loss = ... / accum; loss.backward()``)
     binds the loss only inside that loop: after each backward, ``_autotune.accumulate(loss)`` (a no-op outside
     trials) adds it to the optimizer step's loss, which a step hook that sees no loss of its own records. Where the
@@ -353,6 +369,10 @@ def _accumulate_hooks(facts: ModuleFacts, scope: StepScope, edits: Edits, batch:
         expr = loss_expr(facts, call)
         codes = _hook_losses(facts, [expr] if expr is not None else [])
         at = facts.statement_of(call)
+        if hooked is not None:
+            if id(at) in hooked:
+                continue  # (a loop body two loops share)
+            hooked.add(id(at))
         codes = [code for code in codes if not unbound(facts, at, code, after=True)]
         if codes and batch is not None and batch not in codes and not unbound(facts, at, batch, after=True):
             codes.append(f"batch={batch}")

@@ -139,6 +139,21 @@ def test_step_hook_fires_once_per_step_on_the_path_that_runs(name: str, args, fa
     assert [[v * factor] for (v,) in result["losses"]] == [[float.fromhex(h)] for h in original]
 
 
+def test_a_training_managers_step_shared_by_a_warm_up_loop_counts_each_step_once(patched, tmp_path: Path):
+    # a speedrun-style script: its warm-up loop and its training loop both call manager.step_optimizers(step),
+    # where the optimizers step; one hook there (a hook per calling loop counted every step twice), and the loss of
+    # each step added up from the loops' own backward passes (the helper sees none)
+    script = REPO / "fixtures/scripts/training_manager.py"
+    text = patched[script].read_text()
+    assert text.count("_autotune.step()") == 1 and text.count("_autotune.accumulate(loss)") == 2
+    seen = [float.fromhex(h) for h in run_probe(script, [], steps=7, out=tmp_path / "orig.json", cwd=REPO)]
+    result = _trial(patched[script], (), tmp_path, warmup=1, steps=4)
+    assert result["status"] == "ok" and result["steps_done"] == 5, result["error"]
+    # three warm-up steps of one backward() each, then training steps of two micro-batches
+    expected = [seen[0], seen[1], seen[2], seen[3] + seen[4], seen[5] + seen[6]]
+    assert [v for (v,) in result["losses"]] == pytest.approx(expected, rel=1e-6)
+
+
 def test_step_hook_after_an_lbfgs_closure_reads_no_loss_and_counts_steps(patched, tmp_path: Path):
     script = REPO / "fixtures/scripts/lbfgs.py"
     assert "_autotune.step()" in patched[script].read_text()  # the closure's loss is not bound where the step ends

@@ -339,15 +339,13 @@ class Autocast(Transform):
                 for scope, call in backwards:
                     work[scope.module].reports.append((call, Status.NOT_APPLICABLE, reason))
         for facts, plan in work.items():
+            # a helper two loops call (a warm-up loop and the training loop both stepping through
+            # manager.step_optimizers()) is planned once per loop: its nodes are rewritten once
             target = plans[facts]
-            target.reports.extend(plan.reports)
-            target.wraps.extend(plan.wraps)
+            for name in ("reports", "wraps", "scale", "steps", "updates", "unscale", "scaler_before"):
+                have = getattr(target, name)
+                have.extend(x for x in getattr(plan, name) if x not in have)
             target.devices.update(plan.devices)
-            target.scale.extend(plan.scale)
-            target.steps.extend(plan.steps)
-            target.updates.extend(plan.updates)
-            target.unscale.extend(plan.unscale)
-            target.scaler_before.extend(s for s in plan.scaler_before if s not in target.scaler_before)
             target.scaler_at_top |= plan.scaler_at_top
 
     @staticmethod
