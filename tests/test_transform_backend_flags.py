@@ -56,6 +56,8 @@ def _losses(tmp: Path, label: str, text: str, knobs: dict | None = None, steps: 
         ("fp32_precision_api", [Status.PRESENT, Status.PRESENT, Status.APPLICABLE], ["cudnn_benchmark"]),
         ("lookalike", [Status.APPLICABLE], ["cudnn_benchmark", "matmul_precision", "tf32"]),
         ("no_training_loop", [Status.NOT_APPLICABLE], []),
+        # if args.tensorcores: torch.set_float32_matmul_precision("high"), off by default (karpathy/llm.c's shape)
+        ("switched", [Status.APPLICABLE, Status.APPLICABLE], ["cudnn_benchmark", "matmul_precision", "tf32"]),
     ],
 )
 def test_sites_and_the_knobs_left_to_tune(name, expected, knobs):
@@ -165,6 +167,29 @@ def test_default_gives_the_original_losses(tmp_path):
     original = _losses(tmp_path, "original", (CASES / "basic.in.py").read_text())
     defaults = {f"{T}.tf32": False, f"{T}.matmul_precision": "highest", f"{T}.cudnn_benchmark": False}
     assert _losses(tmp_path, "patched", _text("basic"), defaults) == original
+
+
+@pytest.mark.parametrize(
+    "knob, flag, expected",
+    [("highest", "0", "highest"), ("medium", "0", "medium"), ("medium", "1", "high"), ("highest", "1", "high")],
+)
+def test_a_switched_off_flag_leaves_the_knob_and_the_switch_turned_on_wins(tmp_path, knob, flag, expected):
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "knobs.yaml"
+    config.write_text(yaml.safe_dump({"device": "cpu", "knobs": {f"{T}.matmul_precision": knob}}))
+    for form, text in (("patched", _text("switched")),
+                       ("baked", _text("switched", Mode(values={f"{T}.matmul_precision": knob}, device="cpu")))):
+        script = tmp_path / f"{form}.py"
+        script.write_text(text)
+        env = {**os.environ, "AUTOTUNE_CONFIG": str(config)} if form == "patched" else dict(os.environ)
+        env.pop("AUTOTUNE_TRIAL", None)
+        ran = subprocess.run([sys.executable, script, "--tensorcores", flag, "--steps", "1"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.strip().endswith(f"matmul precision: {expected}"), (form, ran.stdout)
 
 
 @pytest.mark.parametrize("precision", ["medium", pytest.param("high", marks=pytest.mark.slow)])

@@ -7,7 +7,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import stmt
+from autotune.syntax import enclosing_if, is_setting, stmt
 
 # What each spelling decides: setting the matmul precision also decides TF32 for CUDA matmuls, and the reverse.
 ASSIGNED = {
@@ -119,13 +119,33 @@ class BackendFlags(Transform):
             self._found(facts, node, code, value, flags)
 
     def _found(self, facts: ModuleFacts, node: cst.CSTNode, code: str, value: cst.BaseExpression, flags) -> None:
-        self._script_sets.update(flags)
         literal = value.value if isinstance(value, cst.Name) else getattr(value, "raw_value", None)
+        switch = enclosing_if(facts, node)
+        if literal in FASTER and switch is not None and is_setting(switch.test) and self._runs_after_ours(facts, node):
+            # ``if args.tensorcores: torch.set_float32_matmul_precision("high")``: a switch of the script's own, off
+            # unless its flag is given. The knobs set the flags after the imports; where the flag is on, the
+            # script's statement runs after them and its choice stands, as without autotune
+            flag = facts.code(switch.test)
+            self.report(facts, node, Status.APPLICABLE, (
+                f"the script sets {code} where {flag}: its own switch (present, switched off where {flag} is "
+                f"false), so {', '.join(flags)} stay knobs, which the switch overrides where it is on"))
+            return
+        self._script_sets.update(flags)
         if literal in FASTER:
             self.report(facts, node, Status.PRESENT, f"the script sets {code}")
         else:
             self.report(facts, node, Status.USER, f"the script sets {code}: its choice is kept")
 
+
+    def _runs_after_ours(self, facts: ModuleFacts, node: cst.CSTNode) -> bool:
+        """Whether ``node`` runs after the knobs set the flags (after the entry script's imports): in a function, or
+        in the entry script's own top level below its imports (a local module's top level runs as it is imported,
+        before them)."""
+        if facts.function_of(node) is not None:
+            return True
+        entry = self.project.entry
+        anchor = _last_import(entry)
+        return facts is entry and anchor is not entry.module and facts.position(node) > facts.position(anchor)
 
 
 def _last_import(facts: ModuleFacts) -> cst.CSTNode:
