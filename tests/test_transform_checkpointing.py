@@ -347,3 +347,32 @@ def test_a_transformers_model_built_from_its_config_has_the_librarys_switch(tmp_
     found = [s for s in run(load_project(script), select(["checkpointing"]), hooks=False).sites
              if "own switch" in s.reason]
     assert bool(found) is applies, [s.reason for s in run(load_project(script), select(["checkpointing"])).sites]
+
+
+@pytest.mark.parametrize("uses, applies", [
+    ("sd_hf = hf.state_dict()\nprint(hf.config.n_layer)\n", False),  # nanoGPT's from_pretrained: its weights copied
+    ("sd_hf = hf.state_dict()\nout = hf(torch.zeros(1, 4, dtype=torch.long))\n", True),  # also run
+    ("model.load_state_dict(hf.state_dict())\nhf.train()\n", True),  # put in training mode: it may train
+])
+def test_a_library_model_only_read_for_its_weights_gets_no_switch(tmp_path, uses, applies):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom transformers import GPT2LMHeadModel\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "def load():\n"
+        "    hf = GPT2LMHeadModel.from_pretrained('gpt2')\n"
+        + "".join(f"    {line}\n" for line in uses.splitlines()) +
+        "load()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for batch in range(3):\n"
+        "    loss = model(torch.ones(2, 4)).sum()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+    )
+    (site,) = [s for s in run(load_project(script), select(["checkpointing"]), hooks=False).sites
+               if "GPT2LMHeadModel" in s.reason]
+    if applies:
+        assert site.status is Status.APPLICABLE and "own switch" in site.reason
+    else:
+        assert site.status is Status.NOT_APPLICABLE
+        assert site.reason.endswith("is only read (hf.state_dict): the script never runs it, so nothing of it trains")

@@ -9,7 +9,8 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics, Role
 from autotune.transform import Edits, Status, Transform
-from autotune.syntax import argument, attr_chain, expr, is_name, names_read, positional, short, stmt, unique_name
+from autotune.syntax import (argument, attr_chain, expr, is_name, names_read, names_variable, positional, short, stmt,
+                             unique_name)
 
 from ._model import SEQUENTIAL, ClassRef, Stack, attr_stack, find_class, is_block_class
 
@@ -67,6 +68,26 @@ def _rebound_in_scope(facts: ModuleFacts, assign: cst.Assign, name: str) -> bool
         for a in facts.nodes_in(scope, cst.Assign)
         if any(is_name(t.target, name) for t in a.targets)
     )
+
+
+# what a model only read for its weights or settings is used for: it is never run, so never trained
+WEIGHTS_ONLY = frozenset({"state_dict", "config", "eval", "named_buffers", "buffers"})
+
+
+def _weights_only(facts: ModuleFacts, assign: cst.Assign, name: str) -> str | None:
+    """``model_hf.state_dict()``, where that is every use of ``name`` in its scope after ``assign`` (nanoGPT's
+    ``from_pretrained``, which copies a transformers model's weights into its own): the first such use; else None."""
+    scope = facts.function_of(assign) or facts.module
+    target = assign.targets[0].target
+    uses = [n for n in facts.nodes_in(scope, cst.Name)
+            if n.value == name and n is not target and names_variable(facts, n)]
+    if not uses:
+        return None
+    for use in uses:
+        parent = facts.parent(use)
+        if not (isinstance(parent, cst.Attribute) and parent.value is use and parent.attr.value in WEIGHTS_ONLY):
+            return None
+    return facts.code(facts.parent(uses[0]))
 
 
 @dataclass(frozen=True)
@@ -151,6 +172,9 @@ class Checkpointing(Transform):
                 self.report(facts, assign, Status.NOT_APPLICABLE, "no training loop in this script")
             elif _rebound_in_scope(facts, assign, name):
                 self.report(facts, assign, Status.NOT_APPLICABLE, f"`{name}` is bound more than once: which model trains is unclear")
+            elif (read := _weights_only(facts, assign, name)) is not None:
+                self.report(facts, assign, Status.NOT_APPLICABLE,
+                            f"{made} is only read ({read}): the script never runs it, so nothing of it trains")
             else:
                 self.report(
                     facts, assign, Status.APPLICABLE,
