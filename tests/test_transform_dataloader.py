@@ -39,6 +39,7 @@ DATASET = TensorDataset(torch.arange(8.0))
         ("kwargs_update", [A]),  # a literal dict .update()d with another
         ("kwargs_conditional", [A]),  # one of two literal dicts
         ("kwargs_passed_on", [N]),  # handed to a function that may set anything
+        ("kwargs_wrapper", [A]),  # a wrapper's **kwargs, passed by name by its one caller (makemore's shape)
         ("lookalike", []),  # a local class named DataLoader
         ("no_training_loop", [N]),
     ],
@@ -60,6 +61,10 @@ def test_reasons():
     assert sites(T, "user_zero_workers")[0].reason == "DataLoader: pin_memory becomes a knob; num_workers=0 kept as written"
     assert sites(T, "kwargs_splat")[0].reason == "**CONFIG may set the loader settings"
     assert sites(T, "kwargs_passed_on")[0].reason == "**loader_kwargs may set the loader settings"
+    assert sites(T, "kwargs_wrapper")[0].reason == (
+        "DataLoader: pin_memory, persistent_workers, prefetch_factor become knobs; num_workers in **kwargs kept as "
+        "written"
+    )
     assert sites(T, "kwargs_update")[0].reason == (
         "DataLoader: persistent_workers, prefetch_factor become knobs; num_workers in **train_kwargs, "
         "pin_memory in **train_kwargs kept as written"
@@ -256,6 +261,27 @@ def test_losses_plain(tmp_path):
     for i, knobs in enumerate(CPU_CONFIGS):
         assert losses(tmp_path, f"on{i}", gated, knobs) == base, knobs
     assert losses(tmp_path, "baked", baked(T, "plain", CPU_CONFIGS[1])) == base
+
+
+@pytest.mark.slow
+def test_losses_through_a_wrappers_kwargs(tmp_path):
+    # the settings reach the loader through the wrapper's **kwargs: the knobs fill in what its caller leaves out
+    args = ["--workers", "2"]
+    base = original(tmp_path, T, "kwargs_wrapper", args)
+    gated = patched(T, "kwargs_wrapper")
+    assert losses(tmp_path, "default", gated, args=args) == base
+    knobs = {"dataloader.persistent_workers": True, "dataloader.prefetch_factor": 4}
+    on = losses(tmp_path, "on", gated, knobs, args=args)
+    assert losses(tmp_path, "baked", baked(T, "kwargs_wrapper", knobs), args=args) == on == base
+
+
+def test_a_wrappers_kwargs_with_a_caller_that_splats_a_dict_are_unknown(tmp_path):
+    text = case(T, "kwargs_wrapper").read_text().replace(
+        "EndlessLoader(data, batch_size=16, num_workers=args.workers)", "EndlessLoader(data, **vars(args))")
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    (site,) = run(load_project(script), select([T]), hooks=False).sites
+    assert site.status is N and site.reason == "**kwargs may set the loader settings"
 
 
 @pytest.mark.slow

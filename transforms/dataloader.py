@@ -8,7 +8,8 @@ from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import (
-    add_args, argument, assignments, expr, is_constant, is_name, kwarg, move_into_helper, scope_of,
+    add_args, argument, assignments, expr, is_constant, is_name, kwarg, move_into_helper, names_variable,
+    scope_of,
 )
 from autotune.transforms._model import ClassRef, find_class, model_class, training
 from autotune.transforms._sites import h2d_copy, short
@@ -75,7 +76,7 @@ class Dataloader(Transform):
                 self.report(facts, call, Status.PRESENT, "DataLoader settings are already knobs")
                 continue
             splats = [a for a in call.args if a.star]
-            unknown = next((a for a in splats if a.star == "*" or _dict_keys(facts, call, a.value) is None), None)
+            unknown = next((a for a in splats if a.star == "*" or self._keys(facts, call, a.value) is None), None)
             if unknown is not None:
                 self.report(
                     facts, call, Status.NOT_APPLICABLE, f"{unknown.star}{facts.code(unknown.value)} may set the loader settings"
@@ -96,11 +97,11 @@ class Dataloader(Transform):
             # settings a splatted dict sets on some path: kept as the script sets them, on every path
             in_dicts: dict[str, list[cst.BaseExpression]] = {}
             for a in splats:
-                for key, values in _dict_keys(facts, call, a.value).items():  # type: ignore[union-attr]
+                for key, values in self._keys(facts, call, a.value).items():  # type: ignore[union-attr]
                     if key in SETTINGS:
                         in_dicts.setdefault(key, []).extend(values)
             kept = ", ".join(filter(None, [kept, *(f"{k} in **{facts.code(a.value)}" for a in splats
-                                                     for k in _dict_keys(facts, call, a.value) if k in SETTINGS)]))  # type: ignore[union-attr]
+                                                     for k in self._keys(facts, call, a.value) if k in SETTINGS)]))  # type: ignore[union-attr]
             if len(written) - len(switches) + len(in_dicts) == len(SETTINGS):
                 self.report(facts, call, Status.USER, f"DataLoader({kept}) is the script's choice")
                 continue
@@ -216,6 +217,45 @@ class Dataloader(Transform):
             on["pin_memory"] = lambda v: cst.Name("True")
         return on
 
+    def _keys(self, facts: ModuleFacts, at: cst.CSTNode, value: cst.BaseExpression) -> dict[str, list[cst.BaseExpression]] | None:
+        """The keys a splatted dict may hold at ``at`` with their values (``_dict_keys``), or those of a ``**kwargs``
+        its function's callers pass (``_passed_keywords``); None where they cannot be known."""
+        found = _dict_keys(facts, at, value)
+        return found if found is not None else self._passed_keywords(facts, at, value)
+
+    def _passed_keywords(self, facts: ModuleFacts, at: cst.CSTNode, value: cst.BaseExpression) -> dict[str, list[cst.BaseExpression]] | None:
+        """``DataLoader(dataset, sampler=sampler, **kwargs)`` in a function whose ``**kwargs`` only reach this loader
+        (makemore's ``InfiniteDataLoader.__init__(self, dataset, **kwargs)``): the keywords its callers in the
+        project pass, each by name; None where a caller splats a dict, or none is found."""
+        if not is_name(value):
+            return None
+        name = value.value  # type: ignore[attr-defined]
+        scope = scope_of(facts, at)
+        star = scope.params.star_kwarg if isinstance(scope, cst.FunctionDef) else None
+        if star is None or not isinstance(star, cst.Param) or star.name.value != name:
+            return None
+        uses = [n for n in facts.nodes_in(scope.body, cst.Name) if n.value == name and names_variable(facts, n)]
+        if len(uses) != 1:
+            return None  # read or changed besides the splat into this loader
+        params = scope.params
+        named = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+        owner = facts.class_of(scope)
+        target = owner if owner is not None and scope.name.value == "__init__" else scope
+        finder = training(self.project)
+        keys: dict[str, list[cst.BaseExpression]] = {}
+        callers = 0
+        for other in self.project.modules:
+            for caller in other.calls:
+                if finder.callee(other, caller) is not target:
+                    continue
+                callers += 1
+                for arg in caller.args:
+                    if arg.star == "**":
+                        return None
+                    if arg.keyword is not None and arg.keyword.value not in named:
+                        keys.setdefault(arg.keyword.value, []).append(arg.value)
+        return keys if callers else None
+
     def _baked(
         self, facts: ModuleFacts, written: dict[str, cst.BaseExpression], workers: list[cst.BaseExpression] | None,
         splats: list[cst.Arg], workers_on: bool,
@@ -243,7 +283,7 @@ class Dataloader(Transform):
             when = "" if n_workers else None
             if n_workers:
                 out.append(kwarg("num_workers", str(n_workers)))
-        names = set(written) | {k for a in splats for k in _dict_keys(facts, a, a.value) or ()}
+        names = set(written) | {k for a in splats for k in self._keys(facts, a, a.value) or ()}
         if pin and "pin_memory" not in names:
             out.append(kwarg("pin_memory", "True"))
         if persistent and "persistent_workers" not in names and when is not None:
