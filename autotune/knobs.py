@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -99,3 +99,9 @@ def knob_named(name: Any, known: Mapping[str, Knob], where: str) -> Knob:
     if knob is None:
         raise UsageError(f"{where}: unknown knob {shown(name)} (known: {', '.join(sorted(known))})")
     return knob
+
+
+def compiles(knobs: Iterable[Knob], config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` sets one of ``knobs`` that compiles code as the run starts away from its default: such a run
+    gets a longer timeout, in the search and in bench/bench_search.py alike."""
+    return any(k.compiles and config.get(k.name, k.default) != k.default for k in knobs)

@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from autotune.knobs import compiles  # noqa: E402
 from autotune.project import load_project  # noqa: E402
 from autotune.patch import PatchResult, run as patch_project, select  # noqa: E402
 from autotune.search.gate import judge, measure_noise  # noqa: E402
@@ -181,7 +182,7 @@ class Bench:
     def timeout(self, config: Mapping[str, Any]) -> float:
         """The search's trial timeout: from the slowest baseline run, longer for configurations that compile."""
         walls = [r.wall_s for r in self.results if r.role == ROLE_BASELINE and r.measured]
-        return own_timeout(walls, any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs))
+        return own_timeout(walls, compiles(self.patch.knobs, config))
 
     def trial(self, config: Mapping[str, Any], role: str, label: str) -> TrialResult:
         """One trial, numbered in run order (local_speedups pairs it with the baseline runs around it)."""

@@ -11,7 +11,8 @@ import pytest
 from autotune.errors import UsageError
 from autotune.project import load_project
 from autotune.patch import run
-from autotune.search.trial import PYTHON, Outcome, Runner, TrialSettings
+from autotune.isolate import PYTHON
+from autotune.search.trial import Outcome, Runner, TrialSettings
 
 # nanoGPT-style saving, every way a script writes a file: torch.save by name, into a folder it makes, an appended
 # log, a file beside the working directory, numpy, and a write-then-rename; each read back as the script left it

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.knobs import compiles as knobs_compile
 from autotune.files import OutDirLock, claim_out_dir
 from autotune.search.budget import (
     MIN_PAIRS,
@@ -65,9 +66,8 @@ from autotune.search.study import (
     StudyStore,
     claim_key,
 )
-from autotune.isolate import IsolationError
+from autotune.isolate import PYTHON, IsolationError
 from autotune.search.trial import (
-    PYTHON,
     Outcome,
     Runner,
     TrialResult,
@@ -304,7 +304,7 @@ class Search:
     # timing and budgets
 
     def compiles(self, config: Mapping[str, Any]) -> bool:
-        return any(k.compiles and config.get(k.name, k.default) != k.default for k in self.patch.knobs)
+        return knobs_compile(self.patch.knobs, config)
 
     def mine(self, machine: str | None = None) -> str:
         """``machine``, else the one this worker runs on (or, for ``autotune report``, the one it reports on)."""

@@ -25,7 +25,7 @@ import yaml
 from autotune.errors import UsageError
 from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
-from autotune.isolate import OVERLAY, PYTHON, Isolation, IsolationError
+from autotune.isolate import OVERLAY, Isolation, IsolationError
 from autotune.runtime import CONFIG_ENV, TRIAL_ENV, shared_caches
 from autotune.search.machine import machine_key
 
