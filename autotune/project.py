@@ -469,6 +469,14 @@ def _resolve_star_imports(project: Project) -> None:
             return
 
 
+# classes whose subclasses are nn.Modules: torch's own, and Lightning's LightningModule (one, that trains itself)
+MODULE_BASES = frozenset({
+    "torch.nn.Module", "torch.nn.modules.module.Module",
+    "lightning.LightningModule", "lightning.pytorch.LightningModule", "lightning.pytorch.core.module.LightningModule",
+    "pytorch_lightning.LightningModule", "pytorch_lightning.core.module.LightningModule",
+})
+
+
 def _collect_names(project: Project) -> None:
     for facts in project.modules:
         for call in facts.calls:
@@ -483,7 +491,7 @@ def _collect_names(project: Project) -> None:
         for cls in facts.classes.values():
             for base in cls.bases:
                 qual = facts.qualname(base.value)
-                if qual in ("torch.nn.Module", "torch.nn.modules.module.Module"):
+                if qual in MODULE_BASES:
                     project.module_classes.add(f"{facts.modname}.{cls.name.value}")
 
 

@@ -29,6 +29,7 @@ A, P, N, U = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE, Status.US
         ("dropout_mnist", [N]),
         ("memory_format_flag", [U, U]),
         ("trainer_attribute", [A, A]),
+        ("lightning_module", [A]),  # a LightningModule that Lightning's Trainer fits: its batches are Lightning's
         ("imagenet_arch", [A, A]),  # models.__dict__[args.arch](...) in both branches, DataParallel on the GPU  # self.model of a trainer class, after its init_weights  # a flag in a variable, applied to the model and in the collate function
     ],
 )
@@ -120,7 +121,8 @@ def test_runtime_converts_modules_and_4d_tensors_only(knob):
     assert runtime.channels_last("not a tensor") == "not a tensor"
 
 
-CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init", "trainer_attribute"]  # imagenet_arch needs torchvision
+CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init", "trainer_attribute",
+             "lightning_module"]  # imagenet_arch needs torchvision
 
 
 @pytest.mark.slow
@@ -167,3 +169,18 @@ def test_model_zoo_converts_the_trained_network_not_the_test_functions():
     assert list(changed) == ["train.py"]
     assert "    start_epoch = checkpoint['epoch']\nnet = _autotune.channels_last(net)\n_autotune.compile_model(net)\n" in changed["train.py"]
     assert [s.reason for s in result.sites if s.transform == T][0] == "ResNet18() has 2-D convolutions"
+
+
+@pytest.mark.slow
+def test_the_knob_reaches_a_lightningmodule_the_trainer_fits(tmp_path):
+    from transform_cases import case, trial
+
+    from autotune.patch import run, select, write_outputs
+    from autotune.project import load_project
+
+    result = run(load_project(case(T, "lightning_module")), select())  # every transform, the trial's hooks too
+    write_outputs(result, tmp_path / "patched", "train.py")
+    got = trial(tmp_path / "patched" / result.files[0].rel, ["--max-steps", "4"], tmp_path,
+                knobs={"channels_last.enabled": True}, warmup=1, steps=2)
+    assert got["status"] == "ok", got["error"]
+    assert got["applied"] == ["channels_last.enabled"]

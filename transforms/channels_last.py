@@ -145,8 +145,8 @@ class ChannelsLast(Transform):
         return label if is_module_ctor(self.project, facts, call) else label + "()"  # a factory function
 
     def _untrained(self) -> list[tuple[ModuleFacts, cst.Call]]:
-        """Convolutional models the entry script builds when it has no training loop at all (a benchmark)."""
-        if self.project.loops:
+        """Convolutional models the entry script builds when nothing trains at all (a benchmark)."""
+        if self.project.trains:
             return []
         facts = self.project.entry
         out = []
