@@ -254,4 +254,6 @@ def _outputs_of_a_won_search(out: Path, doc: dict, name: str) -> None:
     rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ") and "`" in line]
     report_rows = [r for r in rows if r.split("|")[2].strip() in ("baseline", "perturbed", "search", "confirm", "duel", "whole")]
     assert len(report_rows) == len(done)
-    assert {t.user_attrs["result"]["status"] for t in done} == {"ok"}
+    # every run measured (a confirmation run that other work on the machine starved is marked disturbed, and its
+    # pair run again: CI's other worker can do that)
+    assert "ok" in {t.user_attrs["result"]["status"] for t in done} <= {"ok", "disturbed"}
