@@ -76,7 +76,9 @@ class Dataloader(Transform):
                 self.report(facts, call, Status.PRESENT, "DataLoader settings are already knobs")
                 continue
             splats = [a for a in call.args if a.star]
-            unknown = next((a for a in splats if a.star == "*" or self._keys(facts, call, a.value) is None), None)
+            # each splatted dict's keys, with their values (read once: a **kwargs asks every caller in the project)
+            keys = {id(a): self._keys(facts, call, a.value) for a in splats if a.star == "**"}
+            unknown = next((a for a in splats if a.star == "*" or keys[id(a)] is None), None)
             if unknown is not None:
                 self.report(
                     facts, call, Status.NOT_APPLICABLE, f"{unknown.star}{facts.code(unknown.value)} may set the loader settings"
@@ -97,11 +99,11 @@ class Dataloader(Transform):
             # settings a splatted dict sets on some path: kept as the script sets them, on every path
             in_dicts: dict[str, list[cst.BaseExpression]] = {}
             for a in splats:
-                for key, values in self._keys(facts, call, a.value).items():  # type: ignore[union-attr]
+                for key, values in keys[id(a)].items():  # type: ignore[union-attr]
                     if key in SETTINGS:
                         in_dicts.setdefault(key, []).extend(values)
             kept = ", ".join(filter(None, [kept, *(f"{k} in **{facts.code(a.value)}" for a in splats
-                                                     for k in self._keys(facts, call, a.value) if k in SETTINGS)]))  # type: ignore[union-attr]
+                                                     for k in keys[id(a)] if k in SETTINGS)]))  # type: ignore[union-attr]
             if len(written) - len(switches) + len(in_dicts) == len(SETTINGS):
                 self.report(facts, call, Status.USER, f"DataLoader({kept}) is the script's choice")
                 continue
@@ -131,7 +133,8 @@ class Dataloader(Transform):
                 edits.rewrite(call, gated)
             else:
                 on = self._switched_on(switches)
-                extra = self._baked(facts, written, workers, splats, "num_workers" in on)
+                in_splats = {k for found in keys.values() for k in found or ()}
+                extra = self._baked(facts, written, workers, splats, in_splats, "num_workers" in on)
                 if extra or on:
                     def baked(node, extra=extra, on=on):
                         node = node.with_changes(args=[a.with_changes(value=on[a.keyword.value](a.value))
@@ -167,20 +170,22 @@ class Dataloader(Transform):
         params = [p.name.value for p in scope.params.params]
         if expr.value not in params:
             return []
-        owner = facts.class_of(scope)
-        target = owner if owner is not None and scope.name.value == "__init__" else scope
-        index = params.index(expr.value) - (1 if owner is not None else 0)
+        index = params.index(expr.value) - (1 if facts.class_of(scope) is not None else 0)
         found = []
-        finder = training(self.project)
-        for other in self.project.modules:
-            for caller in other.calls:
-                if finder.callee(other, caller) is not target:
-                    continue
-                arg = argument(caller, index, expr.value)
-                cls = model_class(self.project, other, scope_of(other, caller), arg) if arg is not None else None
-                if isinstance(cls, ClassRef):
-                    found.append(cls)
+        for other, caller in self._callers(facts, scope):
+            arg = argument(caller, index, expr.value)
+            cls = model_class(self.project, other, scope_of(other, caller), arg) if arg is not None else None
+            if isinstance(cls, ClassRef):
+                found.append(cls)
         return found
+
+    def _callers(self, facts: ModuleFacts, function: cst.FunctionDef) -> list[tuple[ModuleFacts, cst.Call]]:
+        """The calls in the project that run ``function`` (a class's ``__init__``: the calls that build the class)."""
+        owner = facts.class_of(function)
+        target = owner if owner is not None and function.name.value == "__init__" else function
+        finder = training(self.project)
+        return [(other, caller) for other in self.project.modules for caller in other.calls
+                if finder.callee(other, caller) is target]
 
     def _moves_items(self, cls: ClassRef) -> str | None:
         for ref in (cls, *(find_class(self.project, cls.facts.qualname(b.value)) for b in cls.node.bases)):
@@ -239,29 +244,23 @@ class Dataloader(Transform):
             return None  # read or changed besides the splat into this loader
         params = scope.params
         named = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
-        owner = facts.class_of(scope)
-        target = owner if owner is not None and scope.name.value == "__init__" else scope
-        finder = training(self.project)
+        callers = self._callers(facts, scope)
         keys: dict[str, list[cst.BaseExpression]] = {}
-        callers = 0
-        for other in self.project.modules:
-            for caller in other.calls:
-                if finder.callee(other, caller) is not target:
-                    continue
-                callers += 1
-                for arg in caller.args:
-                    if arg.star == "**":
-                        return None
-                    if arg.keyword is not None and arg.keyword.value not in named:
-                        keys.setdefault(arg.keyword.value, []).append(arg.value)
+        for _, caller in callers:
+            for arg in caller.args:
+                if arg.star == "**":
+                    return None
+                if arg.keyword is not None and arg.keyword.value not in named:
+                    keys.setdefault(arg.keyword.value, []).append(arg.value)
         return keys if callers else None
 
     def _baked(
         self, facts: ModuleFacts, written: dict[str, cst.BaseExpression], workers: list[cst.BaseExpression] | None,
-        splats: list[cst.Arg], workers_on: bool,
+        splats: list[cst.Arg], in_splats: set[str], workers_on: bool,
     ) -> list[cst.Arg]:
         """Plain keyword arguments for the values that differ from DataLoader's defaults, and legal together
-        (``workers_on``: the script's own worker count, a switch, is baked on: workers always)."""
+        (``in_splats``: the keys the splatted dicts hold; ``workers_on``: the script's own worker count, a switch, is
+        baked on: workers always)."""
         n_workers, pin, persistent, prefetch = (self.mode.value(k) for k in self.knobs)
         out = []
         # `when`: None if the loader never has workers, "" if it always does, else the script's worker count
@@ -283,7 +282,7 @@ class Dataloader(Transform):
             when = "" if n_workers else None
             if n_workers:
                 out.append(kwarg("num_workers", str(n_workers)))
-        names = set(written) | {k for a in splats for k in self._keys(facts, a, a.value) or ()}
+        names = set(written) | in_splats
         if pin and "pin_memory" not in names:
             out.append(kwarg("pin_memory", "True"))
         if persistent and "persistent_workers" not in names and when is not None:
