@@ -1413,7 +1413,7 @@ class CrowdedRunner(FakeRunner):
 
     def run(self, config, role, timeout, on_start=None, attrs=None, **more):
         r = super().run(config, role, timeout, on_start, attrs)
-        if (attrs or {}).get("threads") != 1:
+        if (attrs or {}).get("threads") != 1 and config.get("threads.intra_op") != 1:
             r = r.with_(step_times=tuple(9 * t for t in r.step_times))
         return r.with_(contention={"own": 1.0, "others": 1.0, "steal": 0.0, "cores": 2.0, "span_s": 5.0})
 
@@ -1424,7 +1424,7 @@ def test_a_crowded_machine_is_said_after_the_first_runs_with_what_it_does_to_thr
     search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
     search.runner_factory = lambda *a, **k: CrowdedRunner(clock)
     search.display = display = Notes()
-    search.run()
+    out = search.run()
     said = [(n, text) for n, text in display.notes if "other work on this machine took" in text]
     assert said and said[0][0] == 3  # after the two baselines and the one on another number of threads
     assert said[0][1] == (
@@ -1432,3 +1432,59 @@ def test_a_crowded_machine_is_said_after_the_first_runs_with_what_it_does_to_thr
         "baseline on 1 thread(s) ran 9.0x faster than on 2, its threads waiting for whichever one is descheduled: this "
         "machine's speeds under that load, not yours on a machine of your own (threads.intra_op above all); stop the "
         "other work, or search where the script runs alone")
+    # the start takes the count that runs steadily here, said at once; the first configuration measured has it
+    assert display.notes[display.notes.index(said[0]) + 1] == (3, (
+        "the search starts from threads.intra_op=1 as well: on this machine now, 1 thread(s) ran 9.0x faster than 2; "
+        "what it finds holds for this machine under this load"))
+    first = next(r for r in out.results if r.role == "search")
+    assert first.attrs["phase"] == "start" and first.config["threads.intra_op"] == 1
+    # the verdict keeps it, and says for which machine it holds
+    assert out.winner is not None and out.winner.config["threads.intra_op"] == 1
+    assert out.warning.endswith(
+        "threads.intra_op=1 was measured while other work took up to 1.0 of this machine's 2 processors, where 1 "
+        "thread(s) ran 9.0x faster than 2: on a machine where the script runs alone, fewer threads are usually "
+        "slower; search again there before keeping it")
+
+
+def test_an_idle_machine_leaves_the_start_as_it_is(tmp_path, monkeypatch):
+    """Fewer threads ran no faster, and nothing else took processors: the start has no thread count, no note."""
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.display = display = Notes()
+    out = search.run()
+    assert not [t for _, t in display.notes if "starts from threads" in t or "other work" in t]
+    first = next(r for r in out.results if r.role == "search")
+    assert first.config.get("threads.intra_op", "default") == "default"
+    assert out.warning is None or "was measured while other work" not in out.warning
+
+
+def test_the_crowd_is_read_from_the_first_runs():
+    from autotune.search.crowd import crowd
+    from autotune.search.trial import Outcome, TrialResult
+
+    def run(step, others, cores=2.0):
+        c = None if others is None else {"own": 1.0, "others": others, "steal": 0.0, "cores": cores, "span_s": 5.0}
+        return TrialResult(config={}, role="baseline", status=Outcome.OK, step_times=(step,) * 4, contention=c)
+
+    assert crowd([run(0.1, 0.0), run(0.1, 0.1)], [run(0.2, 0.0)], (2, 1)) is None  # idle: nothing to say
+    assert crowd([run(0.1, None)], [run(0.2, None)], (2, 1)) is None  # not read (another system)
+    busy = crowd([run(0.9, 1.0), run(1.1, 0.9)], [run(0.1, 1.0)], (2, 1))
+    assert (busy.others, busy.cores, busy.many, busy.few) == (1.0, 2.0, 2, 1) and busy.favours_few
+    assert abs(busy.ratio - 10.0) < 1e-9
+    # busy, but fewer threads no faster (1.2x): the runs measure the configuration well enough
+    assert not crowd([run(0.12, 1.0)], [run(0.1, 1.0)], (2, 1)).favours_few
+    # the other count is more threads (OMP_NUM_THREADS=1 given): it can never favour fewer
+    assert not crowd([run(0.9, 1.0)], [run(0.1, 1.0)], (1, 2)).favours_few
+    assert "ran" not in crowd([run(0.9, 1.0)], [], (2, 1)).warning()  # no perturbed run: the load alone
+
+
+def test_the_start_can_lead_with_a_choice_the_machine_favours():
+    knobs = [Knob("a.on", (False, True), False, Numerics.EXACT),
+             Knob("t.n", ("default", 1, 2), "default", Numerics.REORDER)]
+    space = SearchSpace("cpu", knobs, {k.name: k.choices for k in knobs})
+    s = StrongStart(space, {"a.on": True}, {})
+    assert s.start_order == ["a.on"] and s.start["t.n"] == "default"
+    assert s.lead("t.n", 1) is True
+    assert s.start_order == ["t.n", "a.on"] and s.start == {"a.on": True, "t.n": 1} and s.order[:2] == ["t.n", "a.on"]
+    assert s.lead("t.n", 1) is False  # already so: nothing changes
+    with pytest.raises(ValueError):
+        s.lead("t.n", 8)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.knobs import Role
 from autotune.knobs import compiles as knobs_compile
 from autotune.files import OutDirLock, claim_out_dir
 from autotune.search.budget import (
@@ -29,6 +30,7 @@ from autotune.search.budget import (
     run_lengths,
 )
 from autotune.search.costs import NOISY, Costs
+from autotune.search.crowd import Crowd, crowd
 from autotune.search.credit import knob_worth, startup, whole_run
 from autotune.search.gate import Noise, gated, measure_noise
 from autotune.search.identity import Programs, thread_counts
@@ -46,13 +48,12 @@ from autotune.search.outcome import (
     train_time,
 )
 from autotune.search.machine import Machine, this_machine
-from autotune.search.space import config_key
+from autotune.search.space import config_key, has, same_value
 from autotune.search.strategy import Plan, label
 from autotune.search.view import StudyView
 from autotune.search.carried import WITH as CACHE_WITH, measure as measure_saving
 from autotune.search.whole import measure as measure_whole
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME
-from autotune.contention import BUSY_OTHERS
 from autotune.search.storage import open_storage
 from autotune.search.study import (
     ROLE_BASELINE,
@@ -263,7 +264,7 @@ class Search:
             hidden=self.store.hidden() if hasattr(self, "store") else 0,
             reserved_s=self.reserved_s,
             foreign=dict(self.foreign),
-            warning=self._warning(machine),
+            warning="; ".join(w for w in (self._warning(machine), self._crowd_note(winner)) if w) or None,
             lengths=self.lengths,
             fit_note=self.fit_note,
         )
@@ -550,24 +551,32 @@ class Search:
             self._baseline_failed(result)
         return result
 
-    def _say_if_busy(self) -> None:
-        """Say, after the first runs, where other work on this machine took processors from their steps, and what
-        that did to a run on more threads (OpenMP's threads wait for whichever one is descheduled)."""
-        base, other = self.baselines(), self._perturbed()
-        seen = [r.others for r in base + other if r.others is not None]
-        if not seen or max(seen) < BUSY_OTHERS:
+    def crowd(self) -> Crowd | None:
+        """What other work did to this machine's first runs (None: nothing that took processors from their steps)."""
+        return crowd(self.baselines(), self._perturbed(), self.threads)
+
+    def _lead_with_fewer_threads(self) -> None:
+        """Where other work makes fewer threads much faster here, the start takes the thread knob at that count: the
+        runs on the script's count would measure the load (makemore beside a busy process: 21x slower a step), and a
+        descent that reaches the thread knob last runs out of time first. Decided from the first runs, which a
+        resumed study keeps, so a resumed search starts from the same place."""
+        c = self.crowd()
+        knob = next((k.name for k in self.space.knobs if k.role is Role.THREADS), None)
+        if c is None or not c.favours_few or knob is None or not has(self.space.choices[knob], c.few):
             return
-        cores = next((r.contention["cores"] for r in base + other if r.contention), os.cpu_count() or 1)
-        text = (f"other work on this machine took up to {max(seen):.1f} of its {cores:.0f} processors from the first "
-                "runs' steps")
-        if base and other and self.threads is not None:
-            b, o = statistics.median(r.step_time for r in base), statistics.median(r.step_time for r in other)
-            many, few = self.threads
-            if few < many and b > 1.5 * o:
-                text += (f"; the baseline on {few} thread(s) ran {b / o:.1f}x faster than on {many}, its threads waiting "
-                         "for whichever one is descheduled: this machine's speeds under that load, not yours on a "
-                         "machine of your own (threads.intra_op above all)")
-        self.display.note(f"warning: {text}; stop the other work, or search where the script runs alone")
+        if self.strategy.lead(knob, c.few):
+            self.display.note(c.lead_note(knob))
+
+    def _crowd_note(self, winner: Confirmation | None) -> str | None:
+        """Where the winner sets the thread knob to the count a crowded machine favoured: that it holds here."""
+        c = self.crowd()
+        if winner is None or c is None or not c.favours_few:
+            return None
+        knob = next((k.name for k in self.space.knobs if k.role is Role.THREADS), None)
+        value = winner.config.get(knob) if knob else None
+        if knob is None or same_value(value, self.space.baseline()[knob]):
+            return None
+        return c.verdict_note(knob, value)
 
     def _disturbed(self, result: TrialResult) -> str | None:
         """Why ``result``'s time is the machine's more than its configuration's, or None: other work took more than
@@ -652,6 +661,7 @@ class Search:
         if self.baselines():  # a resumed study: nothing to do where it has already done what was asked
             if target is not None and len(self.measured()) >= target:
                 return f"all {target} configurations already measured (resumed study)"
+            self._lead_with_fewer_threads()  # as the first session's search decided it, from the same first runs
             self.plan = self.strategy.plan(self.view())
             if self.plan.done and target is None and not self._taken:
                 return "the descent had converged (resumed study)"
@@ -675,7 +685,9 @@ class Search:
             base, other = self.threads
             why = f"the baseline on {other} CPU thread(s) instead of {base}: only the order of sums changes"
             self.run_trial(self.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
-            self._say_if_busy()
+            if (c := self.crowd()) is not None:
+                self.display.note(c.warning())
+        self._lead_with_fewer_threads()
         while True:
             self.refresh()
             measured = len(self.measured())

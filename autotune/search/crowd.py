@@ -1,0 +1,68 @@
+"""A crowded machine: other work that takes processors from a run's steps, and what that does to a run on more
+threads. Read from a search's first runs (its baselines, and the baseline on another thread count): where other
+work took processors and fewer threads ran much faster, OpenMP's threads are waiting for whichever one is
+descheduled, and runs on the script's thread count measure the machine's load more than the configuration."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autotune.contention import BUSY_OTHERS
+from autotune.search.trial import TrialResult
+
+# fewer threads this much faster than the script's count, beside other work: the runs on the script's count wait on
+# descheduled threads (makemore beside one busy process: 1 thread 21x faster than 2; idle, 1 thread is slower)
+FEWER_FASTER = 1.5
+
+
+@dataclass(frozen=True)
+class Crowd:
+    """Other work seen in the first runs' steps, and the baseline's speed on the two thread counts it ran on."""
+
+    others: float  # the most processors' worth other work took from the first runs' steps
+    cores: float
+    many: int  # the thread count the runs compute with
+    few: int  # the other count the perturbed baseline ran on
+    ratio: float | None  # the perturbed run's speed over the baselines' (None: not measured)
+
+    @property
+    def favours_few(self) -> bool:
+        """Whether fewer threads ran much faster: the runs on ``many`` threads measure the load."""
+        return self.few < self.many and self.ratio is not None and self.ratio > FEWER_FASTER
+
+    def warning(self) -> str:
+        text = (f"other work on this machine took up to {self.others:.1f} of its {self.cores:.0f} processors from "
+                "the first runs' steps")
+        if self.favours_few:
+            text += (f"; the baseline on {self.few} thread(s) ran {self.ratio:.1f}x faster than on {self.many}, its "
+                     "threads waiting for whichever one is descheduled: this machine's speeds under that load, not "
+                     "yours on a machine of your own (threads.intra_op above all)")
+        return f"warning: {text}; stop the other work, or search where the script runs alone"
+
+    def lead_note(self, knob: str) -> str:
+        return (f"the search starts from {knob}={self.few} as well: on this machine now, {self.few} thread(s) ran "
+                f"{self.ratio:.1f}x faster than {self.many}; what it finds holds for this machine under this load")
+
+    def verdict_note(self, knob: str, value: object) -> str:
+        return (f"{knob}={value} was measured while other work took up to {self.others:.1f} of this machine's "
+                f"{self.cores:.0f} processors, where {self.few} thread(s) ran {self.ratio:.1f}x faster than "
+                f"{self.many}: on a machine where the script runs alone, fewer threads are usually slower; search "
+                "again there before keeping it")
+
+
+def crowd(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult],
+          threads: tuple[int, int] | None) -> Crowd | None:
+    """What other work did to the first runs (the baselines and the perturbed baseline on ``threads[1]`` threads),
+    or None where no run lost BUSY_OTHERS processors or more to it."""
+    runs = [*baselines, *perturbed]
+    seen = [r.others for r in runs if r.others is not None]
+    if not seen or max(seen) < BUSY_OTHERS:
+        return None
+    cores = next((r.contention["cores"] for r in runs if r.contention), 1.0)
+    many, few = threads if threads is not None else (0, 0)
+    base = [r.step_time for r in baselines if r.step_time]
+    other = [r.step_time for r in perturbed if r.step_time]
+    ratio = statistics.median(base) / statistics.median(other) if base and other and threads is not None else None
+    return Crowd(max(seen), cores, many, few, ratio)
