@@ -1,6 +1,8 @@
 """Which per-run speed estimate other work on the machine inflates least: from studies that searches left (their
 runs' per-step times), the between-run spread of the baseline's runs and the spread of the confirmation pairs'
-ratios, under each estimator of a run's step time (the median the search used, lower quantiles, the minimum).
+ratios, under each estimator of a run's step time (the median the search used until session 37, lower quantiles,
+the minimum). The search now times a run by its window's mean step: every estimator here leaves out a cost that
+comes every few steps, which the run pays (docs/benchmarks.md, the CNN's 180 s searches).
 
 Interference only ever adds time to a step (Python's timeit makes the same argument for its minimum), so a low
 quantile of a run's step times is its speed with less of the machine's other work in it; too low, and it keeps only
