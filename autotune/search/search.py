@@ -555,13 +555,17 @@ class Search:
         """What other work did to this machine's first runs (None: nothing that took processors from their steps)."""
         return crowd(self.baselines(), self._perturbed(), self.threads)
 
+    def _thread_knob(self) -> str | None:
+        """The name of the knob this space searches that sets the CPU thread count (its role), if any."""
+        return next((k.name for k in self.space.knobs if k.role is Role.THREADS), None)
+
     def _lead_with_fewer_threads(self) -> None:
         """Where other work makes fewer threads much faster here, the start takes the thread knob at that count: the
         runs on the script's count would measure the load (makemore beside a busy process: 21x slower a step), and a
         descent that reaches the thread knob last runs out of time first. Decided from the first runs, which a
         resumed study keeps, so a resumed search starts from the same place."""
         c = self.crowd()
-        knob = next((k.name for k in self.space.knobs if k.role is Role.THREADS), None)
+        knob = self._thread_knob()
         if c is None or not c.favours_few or knob is None or not has(self.space.choices[knob], c.few):
             return
         if self.strategy.lead(knob, c.few):
@@ -572,7 +576,7 @@ class Search:
         c = self.crowd()
         if winner is None or c is None or not c.favours_few:
             return None
-        knob = next((k.name for k in self.space.knobs if k.role is Role.THREADS), None)
+        knob = self._thread_knob()
         value = winner.config.get(knob) if knob else None
         if knob is None or same_value(value, self.space.baseline()[knob]):
             return None
