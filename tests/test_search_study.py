@@ -194,6 +194,46 @@ def test_each_machines_runs_are_gated_against_its_own_baseline(tmp_path):
     assert [c for c, _ in search.candidates()] == [gc]
 
 
+def test_the_descent_compares_each_run_with_the_baseline_runs_nearest_it_in_time(tmp_path):
+    from autotune.search.view import StudyView
+
+    search = _search(tmp_path)
+    base = search.space.baseline()
+    gc = {**base, "gc.freeze": True}
+    foreach = {**base, "fused_optimizer.impl": "foreach"}
+    # the machine slows down over the search: 10, 10, 10 ms a baseline step, then 20 ms; gc.freeze runs 10% faster
+    # than the baseline around it, foreach as fast as it
+    search.results = [
+        _result(base, role="baseline", step=0.010, number=0),
+        _result(base, role="baseline", step=0.010, number=1),
+        _result(base, role="baseline", step=0.010, number=2),
+        _result(gc, step=0.0136, number=3),
+        _result(base, role="baseline", step=0.020, number=4),
+        _result(foreach, step=0.020, number=5),
+    ]
+    assert search.value_of(search.results[3]) == pytest.approx(0.735, abs=0.001)  # against the 3 before it: slower
+    settled = search.settled()
+    assert settled[3] == pytest.approx(0.015 / 0.0136)  # against the mean of 10 ms before and 20 ms after: 1.10x
+    assert settled[5] == pytest.approx(1.0)  # no baseline run after it yet: the one before
+    view = StudyView(search)
+    assert view.observed(gc).speedup == pytest.approx(1.103, abs=0.001)
+    assert view.observed(foreach).speedup == pytest.approx(1.0)
+    assert [c for c, _ in search.candidates()] == [gc]
+
+
+def test_a_baseline_that_drifts_steadily_asks_a_smaller_margin_than_the_same_runs_in_disorder():
+    from autotune.search.view import MIN_MARGIN, margin
+
+    def runs(*steps):
+        return [_result({}, role="baseline", step=s, number=i) for i, s in enumerate(steps)]
+
+    drifting = margin(runs(0.010, 0.011, 0.012, 0.013))
+    disorder = margin(runs(0.010, 0.013, 0.011, 0.012))
+    assert drifting == pytest.approx(0.125, abs=0.002)  # each run against the mean of its neighbours
+    assert disorder > 2.5 * drifting
+    assert margin(runs(0.010, 0.010, 0.010)) == MIN_MARGIN and margin(runs(0.010)) == MIN_MARGIN
+
+
 # --- storages and autotune report's bad input --------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,20 +250,24 @@ def noise_warning(spread: float, runs: list[TrialResult], threads: tuple[int, in
     return f"{text}; {cause}"
 
 
-def local_speedups(results) -> dict[int, float]:
-    """Each measured non-baseline trial's throughput over that of its machine's baseline runs just before and after."""
+def local_speedups(results, time: Callable[[TrialResult], float] | None = None) -> dict[int, float]:
+    """Each measured run's speedup against its machine's baseline runs nearest it in time: the mean ``time`` (a
+    step's, unless given: with --train-steps, the whole run's) of the one just before it and the one just after,
+    where there is one. The machine's speed drifts over minutes (docs/benchmarks.md, issue 33): a comparison made
+    close in time leaves less of the drift in the figure than one against baseline runs minutes old."""
+    time = time or (lambda r: r.step_time)
     machines: dict[str, list[TrialResult]] = {}
     for r in results:
         machines.setdefault(r.machine, []).append(r)
     out = {}
     for order in machines.values():
-        base_pos = [i for i, r in enumerate(order) if is_baseline_run(r) and r.measured]
+        base_pos = [i for i, r in enumerate(order) if is_baseline_run(r) and r.measured and r.step_time]
         for i, r in enumerate(order):
             if is_baseline_run(r) or r.role == ROLE_PERTURBED or not r.measured or r.number is None:
                 continue
             before = [p for p in base_pos if p < i][-1:]
             after = [p for p in base_pos if p > i][:1]
-            near = [order[p].step_time for p in before + after]
+            near = [time(order[p]) for p in before + after]
             if near and r.step_time:
-                out[r.number] = statistics.mean(near) / r.step_time
+                out[r.number] = statistics.fmean(near) / time(r)
     return out

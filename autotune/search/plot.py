@@ -28,7 +28,7 @@ class PlotRow:
 
     label: str  # the knobs it changes
     status: str  # "ok", "diverged" (losses outside the gate) or how it failed
-    search: tuple[float, ...]  # speedup of each of its search runs (over the last 3 baseline runs when it ended)
+    search: tuple[float, ...]  # speedup of each of its search runs (over the baseline runs just before and after)
     pairs: tuple[float, ...] = ()  # its A/B confirmation ratios
     accepted: bool = False  # the confirmation held
     winner: bool = False
@@ -231,7 +231,7 @@ def _legend(rows: tuple[PlotRow, ...]) -> list:
     from matplotlib.lines import Line2D
 
     legend = [Line2D([], [], marker="o", linestyle="", color="tab:blue",
-                     label="search run (vs the last 3 baseline runs): not confirmed by itself")]
+                     label="search run (vs the baseline runs around it): not confirmed by itself")]
     if any(row.pairs and row.accepted for row in rows):
         legend.append(Line2D([], [], marker="*", linestyle="-", color="tab:green", markeredgecolor="black",
                              label="A/B pairs that confirmed it (\u2605 median)"))

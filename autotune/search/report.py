@@ -403,8 +403,9 @@ def _trial_lines(o: SearchOutcome) -> list[str]:
         "",
         "## Trials",
         "",
-        "Speedup: the run's speed over the median of the same machine's last 3 baseline runs when it finished (the "
-        "live display showed the same number); the verdict above comes from the A/B pairs instead. "
+        "Speedup: the run's speed over the mean of the same machine's baseline runs just before and just after it "
+        "(the one before, where none ran after it; the live display showed the run against the last 3 before it, "
+        "all it had then); the verdict above comes from the A/B pairs instead. "
         "Start-up: the run's one-time cost before it trains at its measured speed (compilation, autotuning, data "
         "set-up): its warm-up time less its warm-up steps at that speed. "
         "Load: the machine's 1-minute load average when the run ended (the run's own threads included). "

@@ -249,7 +249,7 @@ class Search:
             study_name=self.study_name,
             storage=self.storage_desc,
             mode=self.mode,
-            speedups={**local_speedups(results), **{r.number: r.speedup for r in results if r.speedup and r.measured}},
+            speedups={**{r.number: r.speedup for r in results if r.speedup and r.measured}, **self.settled()},
             machine=machine,
             from_study=from_study,
             isolation=self.isolation,
@@ -412,8 +412,9 @@ class Search:
         return [self._gate(r, noise[r.machine]) for r in results]
 
     def value_of(self, result: TrialResult) -> float:
-        """What Optuna maximises, and the one speedup every output shows: the run's speed over the median of its
-        machine's last 3 baseline runs when it finished (0 when it failed).
+        """What Optuna maximises and the live display shows: the run's speed over the median of its machine's last 3
+        baseline runs when it finished (0 when it failed). The descent and the report use ``settled``, which also
+        has the baseline run after it.
 
         A ratio, not steps/s: the sampler compares trials of every machine, and those differ in speed. With
         ``--train-steps N`` speed is 1 / (time to train N steps), its one-time start-up (compile) included.
@@ -425,6 +426,14 @@ class Search:
         base = [r for r in self.baselines(result.machine) if r.throughput and r is not result][-3:]
         ref = statistics.median(self.speed_of(b) for b in base) if base else 0.0
         return self.speed_of(result) / ref if ref else 1.0
+
+    def settled(self) -> dict[int, float]:
+        """Each measured run's speedup against this machine's baseline runs nearest it in time, the one before it and
+        the one after it where the search has run that (``outcome.local_speedups``), by the time of the user's run
+        with --train-steps. What the descent decides by and the report shows; a run's own value (``value_of``) is
+        what was known when it finished."""
+        runs = [r for r in self.results if not is_baseline_run(r) or self._whole(r)]
+        return local_speedups(runs, lambda r: 1.0 / max(self.speed_of(r), 1e-12))
 
     def speed_of(self, r: TrialResult) -> float:
         """Steps per second, or with --train-steps N, 1 / (start-up + N steps)."""
@@ -840,12 +849,13 @@ class Search:
         Each speedup is against the baseline runs of the machine the configuration ran on; machines are not mixed.
         """
         results = self.regate(self.results)
+        settled = self.settled()
         best: dict[str, tuple[dict[str, Any], float]] = {}
         baseline_code = self.programs.code_key(self.space.baseline())
         for r in results:
             if r.role != ROLE_SEARCH or r.status is not Outcome.OK or r.number is None:
                 continue
-            speed = self.value_of(r)
+            speed = settled.get(r.number, self.value_of(r))
             key = self.programs.code_key(r.config)
             if key is None or key == baseline_code:
                 continue

@@ -97,7 +97,8 @@ class TrialResult:
     attrs: Mapping[str, Any] = field(default_factory=dict)  # the role's bookkeeping (confirmation pair, arm)
     ranks: int = 1  # processes in the trial: the launcher's world size
     rank_losses: tuple[tuple[tuple[float, ...], ...], ...] = ()  # under a launcher, each rank's own losses
-    # speed over the median of the same machine's last 3 baseline runs when it finished: the one speedup shown
+    # speed over the median of the same machine's last 3 baseline runs when it finished: what the live display shows
+    # (the descent and the report compare it with the baseline runs around it: Search.settled)
     speedup: float | None = None
     host: str = ""  # the machine it ran on: timings are compared only between runs of the same machine key
     device_name: str = ""  # CPU model and cores, or GPU name

@@ -24,6 +24,7 @@ class StudyView:
         self.s = search
         self.space = search.space
         base_key = search.programs.program(search.space.baseline())
+        settled = search.settled()  # each run against the baseline runs nearest it in time
         self._obs: dict[str, Observation] = {}
         self._configs: dict[str, dict[str, Any]] = {}
         for r in search.regate(search.results):
@@ -39,7 +40,8 @@ class StudyView:
                 ok = r.status is Outcome.OK
                 idle = tuple(unreached(r.with_(status=Outcome.OK), search.space.changed(r.config))) \
                     if r.status is Outcome.UNREACHED else ()
-                self._obs[key] = Observation(ok, search.value_of(r) if ok else None, str(r.status), r.error, idle)
+                speed = settled.get(r.number, search.value_of(r)) if ok else None
+                self._obs[key] = Observation(ok, speed, str(r.status), r.error, idle)
         self._threshold = margin(search.baselines())
 
     def observed(self, config):
@@ -75,10 +77,13 @@ class StudyView:
 
 
 def margin(baselines: list[TrialResult]) -> float:
-    """How much faster a change must be to count: twice the spread (standard deviation of log step time) of the
-    baseline runs, within [MIN_MARGIN, MAX_MARGIN]."""
+    """How much faster a change must be to count: the noise of the comparison the search makes, measured on a change
+    of nothing. Each baseline run is compared as a search run is (``outcome.local_speedups``), with the mean of the
+    baseline runs just before and after it; the margin is twice the root mean square of those log ratios, within
+    [MIN_MARGIN, MAX_MARGIN]. The machine's drift over minutes stays out of it as it stays out of the comparison."""
     times = [b.step_time for b in baselines if b.step_time]
     if len(times) < 2:
         return MIN_MARGIN
-    sd = statistics.stdev(math.log(x) for x in times)
-    return min(max(2 * sd, MIN_MARGIN), MAX_MARGIN)
+    errors = [math.log(statistics.fmean(times[max(i - 1, 0):i] + times[i + 1:i + 2]) / t) for i, t in enumerate(times)]
+    rms = math.sqrt(statistics.fmean(e * e for e in errors))
+    return min(max(2 * rms, MIN_MARGIN), MAX_MARGIN)
