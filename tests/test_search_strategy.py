@@ -1446,15 +1446,64 @@ def test_a_crowded_machine_is_said_after_the_first_runs_with_what_it_does_to_thr
         "slower; search again there before keeping it")
 
 
+class ThreadedRunner(FakeRunner):
+    """An idle machine where a run on 1 thread takes ``slower`` times as long a step as one on 2."""
+
+    slower = 2.0
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):
+        r = super().run(config, role, timeout, on_start, attrs)
+        if (attrs or {}).get("threads") == 1 or config.get("threads.intra_op") == 1:
+            r = r.with_(step_times=tuple(self.slower * t for t in r.step_times))
+        return r
+
+
 def test_an_idle_machine_leaves_the_start_as_it_is(tmp_path, monkeypatch):
-    """Fewer threads ran no faster, and nothing else took processors: the start has no thread count, no note."""
+    """Fewer threads ran slower, and nothing else took processors: the start has no thread count, no note."""
+    for where in ("search", "prepare"):
+        monkeypatch.setattr(f"autotune.search.{where}.thread_counts", lambda env, launched: (2, 1))
     search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.runner_factory = lambda *a, **k: ThreadedRunner(clock)
     search.display = display = Notes()
     out = search.run()
     assert not [t for _, t in display.notes if "starts from threads" in t or "other work" in t]
     first = next(r for r in out.results if r.role == "search")
     assert first.config.get("threads.intra_op", "default") == "default"
     assert out.warning is None or "was measured while other work" not in out.warning
+
+
+def test_where_fewer_threads_run_the_baseline_as_fast_the_start_takes_them_first(tmp_path, monkeypatch):
+    """An idle machine where 1 thread ran the baseline as fast as 2 (within the noise): the extra threads buy the
+    script nothing, so the start has the thread knob at 1, first, and says why."""
+    for where in ("search", "prepare"):
+        monkeypatch.setattr(f"autotune.search.{where}.thread_counts", lambda env, launched: (2, 1))
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    runner = ThreadedRunner(clock)
+    runner.slower = 1.01
+    search.runner_factory = lambda *a, **k: runner
+    search.display = display = Notes()
+    out = search.run()
+    said = [(n, t) for n, t in display.notes if "starts from threads" in t]
+    assert said == [(3, "the search starts from threads.intra_op=1 as well: the baseline on 1 thread(s) ran 0.99x its "
+                        "speed on 2, as fast within the noise (2%), so the extra threads buy this script nothing here; "
+                        "the descent measures them again with the other knobs")]
+    first = next(r for r in out.results if r.role == "search")
+    assert first.attrs["phase"] == "start" and first.config["threads.intra_op"] == 1
+    assert out.warning is None or "was measured while other work" not in out.warning
+
+
+def test_fewer_threads_as_fast_is_read_against_the_noise():
+    from autotune.search.crowd import fewer_as_fast
+    from autotune.search.trial import Outcome, TrialResult
+
+    def run(step):
+        return TrialResult(config={}, role="baseline", status=Outcome.OK, step_times=(step,) * 4)
+
+    assert fewer_as_fast([run(0.10), run(0.12)], [run(0.115)], (2, 1), 0.05) == pytest.approx(0.11 / 0.115)
+    assert fewer_as_fast([run(0.10)], [run(0.115)], (2, 1), 0.02) is None  # 13% slower against 2% of noise
+    assert fewer_as_fast([run(0.10)], [run(0.115)], (2, 1), 0.2) is not None  # within 20%
+    assert fewer_as_fast([run(0.10)], [run(0.05)], (1, 2), 0.2) is None  # the other count is more threads
+    assert fewer_as_fast([run(0.10)], [], (2, 1), 0.2) is None and fewer_as_fast([run(0.1)], [run(0.1)], None, 0.2) is None
 
 
 def test_the_crowd_is_read_from_the_first_runs():
@@ -1475,6 +1524,8 @@ def test_the_crowd_is_read_from_the_first_runs():
     # the other count is more threads (OMP_NUM_THREADS=1 given): it can never favour fewer
     assert not crowd([run(0.9, 1.0)], [run(0.1, 1.0)], (1, 2)).favours_few
     assert "ran" not in crowd([run(0.9, 1.0)], [], (2, 1)).warning()  # no perturbed run: the load alone
+    # the thread knob is named as the search's space calls it, and only where it has one
+    assert "(threads.intra_op above all)" in busy.warning("threads.intra_op") and "above all" not in busy.warning()
 
 
 def test_the_start_can_lead_with_a_choice_the_machine_favours():

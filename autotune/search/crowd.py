@@ -32,13 +32,15 @@ class Crowd:
         """Whether fewer threads ran much faster: the runs on ``many`` threads measure the load."""
         return self.few < self.many and self.ratio is not None and self.ratio > FEWER_FASTER
 
-    def warning(self) -> str:
+    def warning(self, knob: str | None = None) -> str:
+        """What other work did to the first runs; ``knob``: the space's thread knob, named as the one whose measure
+        holds least elsewhere."""
         text = (f"other work on this machine took up to {self.others:.1f} of its {self.cores:.0f} processors from "
                 "the first runs' steps")
         if self.favours_few:
             text += (f"; the baseline on {self.few} thread(s) ran {self.ratio:.1f}x faster than on {self.many}, its "
                      "threads waiting for whichever one is descheduled: this machine's speeds under that load, not "
-                     "yours on a machine of your own (threads.intra_op above all)")
+                     "yours on a machine of your own" + (f" ({knob} above all)" if knob else ""))
         return f"warning: {text}; stop the other work, or search where the script runs alone"
 
     def lead_note(self, knob: str) -> str:
@@ -66,3 +68,23 @@ def crowd(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult],
     other = [r.step_time for r in perturbed if r.step_time]
     ratio = statistics.median(base) / statistics.median(other) if base and other and threads is not None else None
     return Crowd(max(seen), cores, many, few, ratio)
+
+
+def fewer_as_fast(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult],
+                  threads: tuple[int, int] | None, margin: float) -> float | None:
+    """The baseline's speed on fewer threads over its speed on the script's count, where the fewer ran as fast
+    within ``margin`` (the noise of a comparison on this machine) or faster; None where they ran slower, or where
+    the other count is not fewer or was not measured.
+
+    Threads that do not make the baseline faster cost the rest of the program: every parallel region keeps them in
+    step. makemore's MLP on 2 idle cores (docs/benchmarks.md, session 38): 1 thread ran its steps 1.07x as fast as
+    2, compile on 2 threads 0.95x, compile on 1 thread 1.3x; the descent, which tries the thread knob after the
+    start's knobs, ran out of time before it got there in every 300 s search."""
+    if threads is None or threads[1] >= threads[0]:
+        return None
+    base = [r.step_time for r in baselines if r.step_time]
+    other = [r.step_time for r in perturbed if r.step_time]
+    if not base or not other:
+        return None
+    ratio = statistics.median(base) / statistics.median(other)
+    return ratio if ratio * (1.0 + margin) >= 1.0 else None

@@ -30,7 +30,7 @@ from autotune.search.budget import (
     run_lengths,
 )
 from autotune.search.costs import NOISY, Costs
-from autotune.search.crowd import Crowd, crowd
+from autotune.search.crowd import Crowd, crowd, fewer_as_fast
 from autotune.search.credit import knob_worth, startup, whole_run
 from autotune.search.gate import Noise, gated, measure_noise
 from autotune.search.identity import Programs, thread_counts
@@ -50,7 +50,7 @@ from autotune.search.outcome import (
 from autotune.search.machine import Machine, this_machine
 from autotune.search.space import config_key, has, same_value
 from autotune.search.strategy import Plan, label
-from autotune.search.view import StudyView
+from autotune.search.view import StudyView, margin
 from autotune.search.carried import WITH as CACHE_WITH, measure as measure_saving
 from autotune.search.whole import measure as measure_whole
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME
@@ -569,16 +569,28 @@ class Search:
         return next((k.name for k in self.space.knobs if k.role is Role.THREADS), None)
 
     def _lead_with_fewer_threads(self) -> None:
-        """Where other work makes fewer threads much faster here, the start takes the thread knob at that count: the
-        runs on the script's count would measure the load (makemore beside a busy process: 21x slower a step), and a
-        descent that reaches the thread knob last runs out of time first. Decided from the first runs, which a
-        resumed study keeps, so a resumed search starts from the same place."""
-        c = self.crowd()
+        """Where fewer threads ran the baseline as fast as the script's count, or other work made them much faster,
+        the start takes the thread knob at that count, first. Under other work the runs on the script's count would
+        measure the load (makemore beside a busy process: 21x slower a step); on an idle machine the extra threads
+        buy nothing and cost what runs with them (``crowd.fewer_as_fast``). Either way a descent that reaches the
+        thread knob last runs out of time first. Decided from the first runs, which a resumed study keeps, so a
+        resumed search starts from the same place."""
         knob = self._thread_knob()
-        if c is None or not c.favours_few or knob is None or not has(self.space.choices[knob], c.few):
+        if knob is None or self.threads is None or not has(self.space.choices[knob], self.threads[1]):
             return
-        if self.strategy.lead(knob, c.few):
-            self.display.note(c.lead_note(knob))
+        many, few = self.threads
+        c = self.crowd()
+        if c is not None and c.favours_few:
+            if self.strategy.lead(knob, few):
+                self.display.note(c.lead_note(knob))
+            return
+        noise = margin(self.baselines())
+        ratio = fewer_as_fast(self.baselines(), self._perturbed(), self.threads, noise)
+        if ratio is not None and self.strategy.lead(knob, few):
+            self.display.note(
+                f"the search starts from {knob}={few} as well: the baseline on {few} thread(s) ran {ratio:.2f}x its "
+                f"speed on {many}, as fast within the noise ({100 * noise:.0f}%), so the extra threads buy this "
+                "script nothing here; the descent measures them again with the other knobs")
 
     def _crowd_note(self, winner: Confirmation | None) -> str | None:
         """Where the winner sets the thread knob to the count a crowded machine favoured: that it holds here."""
@@ -699,7 +711,7 @@ class Search:
             why = f"the baseline on {other} CPU thread(s) instead of {base}: only the order of sums changes"
             self.run_trial(self.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
             if (c := self.crowd()) is not None:
-                self.display.note(c.warning())
+                self.display.note(c.warning(self._thread_knob()))
         self._lead_with_fewer_threads()
         while True:
             self.refresh()
