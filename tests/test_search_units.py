@@ -659,3 +659,23 @@ def test_thread_counts_a_run_gets_anyway_or_that_oversubscribe_the_cores_are_not
     assert fit_threads(space, 1, 16).choices[knob.name] == ("default", 2, 4)
     alone = fit_threads(SearchSpace("cpu", (knob,), {knob.name: ("default", 1)}), 1, 1)
     assert not alone.knobs and "fits its 1 core" in alone.left_out[knob.name]
+
+
+def test_a_compiling_winners_one_time_cost_says_what_it_could_not_count_where_the_runs_length_is_unknown():
+    from autotune.search.credit import startup
+    from autotune.search.outcome import Confirmation
+
+    def run(step, warmup_s):
+        return TrialResult(config={}, role="confirm", status=Outcome.OK, step_times=(step,) * 20, warmup_s=warmup_s,
+                           steps_done=25)
+
+    # 5 warm-up steps: the baseline's start-up 1 s, the candidate's 4 s (compilation), 10 ms a step saved
+    won = Confirmation({"compile.mode": "default"}, (1.5,), True, "", baseline=(run(0.03, 1.15),),
+                       candidate=(run(0.02, 4.1),))
+    assert startup(won, True, 5, 1000) == ("start-up 3s longer than the baseline's (compilation): it pays for itself "
+                                           "after 300 steps (your run: 1000)")
+    unknown = startup(won, True, 5, None)
+    assert unknown.startswith("start-up 3s longer than the baseline's (compilation): it pays for itself after 300 "
+                              "steps, counted on runs of 25 steps: code they did not reach (evaluation, sampling")
+    assert "--train-steps N" in unknown
+    assert startup(won, False, 5, None) is None  # nothing compiles: no one-time cost to speak of

@@ -58,10 +58,16 @@ def startup(winner: Confirmation, compiles: bool, warmup: int, train_steps: int 
     if gain <= 0:
         return f"start-up {extra:.0f}s longer than the baseline's (compilation), and no faster per step"
     steps = math.ceil(extra / gain)
-    return (
-        f"start-up {extra:.0f}s longer than the baseline's (compilation): it pays for itself after {steps} steps"
-        + (f" (your run: {train_steps})" if train_steps else "")
-    )
+    text = f"start-up {extra:.0f}s longer than the baseline's (compilation): it pays for itself after {steps} steps"
+    if train_steps:
+        return text + f" (your run: {train_steps})"
+    # the run's length unknown: the runs measured its first steps only. makemore's tuned script (docs/benchmarks.md,
+    # session 38): 150-step runs compiled in 3 s more; its first 2000-step run took 108 s against 20 s, recompiling
+    # for the sampling and evaluation its runs never reached
+    length = max(r.steps_done for r in runs)
+    return (text + f", counted on runs of {length} steps: code they did not reach (evaluation, sampling, an input "
+            "of a new shape) compiles in your run too, and is not in it; give --train-steps N to rank by your whole "
+            "run, or time one whole run of the tuned script")
 
 
 def whole_run(winner: Confirmation, steps: int | None, warmup: int) -> str | None:
