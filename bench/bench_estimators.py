@@ -32,7 +32,8 @@ from autotune.search.trial import TrialResult, quantile  # noqa: E402
 ESTIMATORS = {"median": 0.5, "p25": 0.25, "p10": 0.1, "min": 0.0}
 
 
-def _runs(db: Path) -> list[tuple[str, list[TrialResult]]]:
+def study_results(db: Path) -> list[tuple[str, list[TrialResult]]]:
+    """Each study in the SQLite database ``db``: its name and its trials' results, in the order they ran."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -41,13 +42,17 @@ def _runs(db: Path) -> list[tuple[str, list[TrialResult]]]:
     for summary in optuna.get_all_study_summaries(url):
         study = optuna.load_study(study_name=summary.study_name, storage=url)
         results = []
-        for t in study.get_trials():
+        for t in sorted(study.get_trials(), key=lambda t: t.number):
             try:
                 results.append(TrialResult.from_attrs(t.user_attrs["result"]))
             except (KeyError, TypeError, ValueError):
                 continue
-        out.append((summary.study_name, [r for r in results if r.measured and r.device == "cpu"]))
+        out.append((summary.study_name, results))
     return out
+
+
+def _runs(db: Path) -> list[tuple[str, list[TrialResult]]]:
+    return [(name, [r for r in results if r.measured and r.device == "cpu"]) for name, results in study_results(db)]
 
 
 def _spread(xs: list[float]) -> float | None:

@@ -27,25 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.search.trial import TrialResult  # noqa: E402
-
-
-def _studies(db: Path) -> list[tuple[str, list[TrialResult]]]:
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = f"sqlite:///{db}"
-    out = []
-    for summary in optuna.get_all_study_summaries(url):
-        study = optuna.load_study(study_name=summary.study_name, storage=url)
-        results = []
-        for t in sorted(study.get_trials(), key=lambda t: t.number):
-            try:
-                results.append(TrialResult.from_attrs(t.user_attrs["result"]))
-            except (KeyError, TypeError, ValueError):
-                continue
-        out.append((summary.study_name, results))
-    return out
+from bench_estimators import study_results  # noqa: E402  (bench/ is the script's own folder)
 
 
 def _rules(speeds: list[float]) -> dict[str, list[float]]:
@@ -71,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     margins: dict[str, list[float]] = {n: [] for n in names}
     print(f"{'study':<40} {'runs':>4} " + " ".join(f"{n + ' margin':>18} {'worst':>6}" for n in names))
     for db in o.studies:
-        for name, results in _studies(db):
+        for name, results in study_results(db):
             machines: dict[str, list[float]] = {}
             for r in results:
                 if r.role == "baseline" and r.measured and r.step_time:
