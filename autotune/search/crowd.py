@@ -13,7 +13,7 @@ from autotune.contention import BUSY_OTHERS
 from autotune.search.trial import TrialResult
 
 # fewer threads this much faster than the script's count, beside other work: the runs on the script's count wait on
-# descheduled threads (makemore beside one busy process: 1 thread 21x faster than 2; idle, 1 thread is slower)
+# descheduled threads (makemore beside one busy process: 1 thread 21x faster than 2; idle, 0.85x to 1.26x as fast)
 FEWER_FASTER = 1.5
 
 
@@ -64,10 +64,16 @@ def crowd(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult],
         return None
     cores = next((r.contention["cores"] for r in runs if r.contention), 1.0)
     many, few = threads if threads is not None else (0, 0)
+    ratio = _other_count_speed(baselines, perturbed) if threads is not None else None
+    return Crowd(max(seen), cores, many, few, ratio)
+
+
+def _other_count_speed(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult]) -> float | None:
+    """The perturbed baseline's speed (on the other thread count) over the baselines', by their median step times;
+    None where either was not measured."""
     base = [r.step_time for r in baselines if r.step_time]
     other = [r.step_time for r in perturbed if r.step_time]
-    ratio = statistics.median(base) / statistics.median(other) if base and other and threads is not None else None
-    return Crowd(max(seen), cores, many, few, ratio)
+    return statistics.median(base) / statistics.median(other) if base and other else None
 
 
 def fewer_as_fast(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult],
@@ -82,9 +88,5 @@ def fewer_as_fast(baselines: Sequence[TrialResult], perturbed: Sequence[TrialRes
     start's knobs, ran out of time before it got there in every 300 s search."""
     if threads is None or threads[1] >= threads[0]:
         return None
-    base = [r.step_time for r in baselines if r.step_time]
-    other = [r.step_time for r in perturbed if r.step_time]
-    if not base or not other:
-        return None
-    ratio = statistics.median(base) / statistics.median(other)
-    return ratio if ratio * (1.0 + margin) >= 1.0 else None
+    ratio = _other_count_speed(baselines, perturbed)
+    return ratio if ratio is not None and ratio * (1.0 + margin) >= 1.0 else None
