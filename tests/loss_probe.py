@@ -23,6 +23,15 @@ a private ``BaseException`` subclass (not an ``Exception``, so a script's
 ``except Exception:`` cannot swallow it), which stops the script. The result
 file then holds exactly N losses.
 
+Each probe is a process of its own, forked from a *zygote*: a process that imported torch, and the frameworks the
+script imports (transformers, lightning, accelerate), once (about 1 s and 3-5 s that every probe paid again when
+each was a fresh ``python``), in the probe's environment but for the variables read only while a script runs
+(``AUTOTUNE_*``, pytest's own): a few are kept per test worker, one per environment and set of frameworks. A forked
+probe starts as a fresh one would: its own session, working directory, environment, standard streams and random
+seeds, nothing run yet. A script that writes ``os.environ`` (which a script may do before it imports torch: the
+probe imports torch before the script anyway, ``run_script`` does not) runs as a fresh ``python``, as every run does
+with ``LOSS_PROBE_FRESH=1``.
+
 Things to keep in mind when comparing runs:
 
 * It counts ``backward`` calls, not iterations. A script with two backward
@@ -56,14 +65,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-__all__ = ["ProbeError", "probe", "run_probe", "read_result"]
+__all__ = ["ProbeError", "probe", "run_probe", "read_result", "run_script"]
 
 _THIS_FILE = os.path.abspath(__file__)
 
@@ -138,25 +149,8 @@ def probe(
 
     cmd = [sys.executable, _THIS_FILE, "--out", out, "--steps", str(int(steps)), "--", str(script), *map(str, args)]
     try:
-        # Output goes to a file rather than a pipe: a pipe would stay open as
-        # long as any orphaned grandchild (a DataLoader worker) holds it.
-        with tempfile.TemporaryFile(mode="w+b") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc.pid)
-                rc = proc.wait()
-            # Reap anything the script left behind in its session.
-            _kill_group(proc.pid)
-            log.seek(0)
-            output = log.read().decode("utf-8", errors="replace")
-
+        request = {"mode": "probe", "script": str(script), "args": list(map(str, args)), "steps": int(steps), "out": out}
+        rc, timed_out, output = _launch(request, cmd, cwd, full_env, timeout)
         result = read_result(out) if os.path.exists(out) else None
         if timed_out:
             raise ProbeError(f"probe of {script} timed out after {timeout}s\n{output[-4000:]}", result, output, rc)
@@ -170,6 +164,160 @@ def probe(
     finally:
         if tmpdir is not None:
             tmpdir.cleanup()
+
+
+def run_script(
+    script: str | os.PathLike,
+    args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 300.0,
+) -> tuple[int | None, str]:
+    """Run ``script`` as ``python SCRIPT ARGS`` would, with exactly ``env`` (default: this process's), forked from a
+    zygote where it may be (see the module's docstring); its exit status and its output (stdout and stderr).
+    Raises ``ProbeError`` when it runs past ``timeout`` seconds."""
+    env = dict(os.environ if env is None else env)
+    cmd = [sys.executable, str(script), *map(str, args)]
+    request = {"mode": "script", "script": str(script), "args": list(map(str, args))}
+    rc, timed_out, output = _launch(request, cmd, cwd, env, timeout)
+    if timed_out:
+        raise ProbeError(f"{script} timed out after {timeout}s\n{output[-4000:]}", None, output, rc)
+    return rc, output
+
+
+def _launch(request: dict, cmd: list[str], cwd, env: dict[str, str], timeout: float) -> tuple[int | None, bool, str]:
+    """Run ``request`` in a process forked from a zygote, or ``cmd`` as a fresh process where it must: the exit
+    status, whether it ran past ``timeout`` (and was killed), its output."""
+    # Output goes to a file rather than a pipe: a pipe would stay open as long as any orphaned grandchild (a
+    # DataLoader worker) holds it.
+    with tempfile.NamedTemporaryFile(mode="w+b", prefix="loss_probe_", suffix=".log") as log:
+        zygote = _zygote_for(env, os.path.join(cwd or os.getcwd(), request["script"]))
+        if zygote is not None:
+            request = {**request, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()), "log": log.name}
+            rc, timed_out = zygote.run(request, timeout)
+        else:
+            rc, timed_out = _run_fresh(cmd, cwd, env, log, timeout)
+        log.seek(0)
+        return rc, timed_out, log.read().decode("utf-8", errors="replace")
+
+
+def _run_fresh(cmd: list[str], cwd, env: dict, log, timeout: float) -> tuple[int, bool]:
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc.pid)
+        rc = proc.wait()
+    _kill_group(proc.pid)  # reap anything the script left behind in its session
+    return rc, timed_out
+
+
+# Variables a forked probe may set otherwise than the zygote's environment: read while a script runs, never when
+# torch is imported (autotune's config and trial spec, pytest's bookkeeping).
+_RUN_TIME_VARS = ("AUTOTUNE_", "PYTEST_")
+
+
+class _Zygote:
+    """A process that imported torch, forking one probe per request (see the module's docstring)."""
+
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
+        self.env = env
+        self.dir = tempfile.mkdtemp(prefix="loss_probe_zygote_")
+        self.socket = os.path.join(self.dir, "z.sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, _THIS_FILE, "--zygote", self.socket, *preload], env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        ready = self.proc.stdout.readline()
+        self.proc.stdout.close()
+        if ready.strip() != b"ready":
+            self.close()
+            raise RuntimeError(f"the loss probe's zygote did not start (exit {self.proc.poll()})")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def run(self, request: dict, timeout: float) -> tuple[int | None, bool]:
+        """The probe's exit status (as ``Popen.returncode`` gives it; None if it was never known), and whether it
+        ran past ``timeout`` and was killed."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.socket)
+            stream = conn.makefile("rwb")
+            stream.write(json.dumps(request).encode() + b"\n")
+            stream.flush()
+            pid = int(stream.readline())
+            conn.settimeout(timeout)
+            timed_out = False
+            try:
+                line = stream.readline()
+            except (TimeoutError, socket.timeout):
+                timed_out = True
+                _kill_group(pid)
+                conn.settimeout(60)
+                stream = conn.makefile("rwb")
+                line = stream.readline()
+            _kill_group(pid)  # reap anything the script left behind in its session
+            return (int(line) if line.strip() else None), timed_out
+
+
+# The frameworks a zygote imports besides torch, for the scripts that import them (3-5 s each here): by the name a
+# script imports, the modules to import.
+_FRAMEWORKS = {
+    "transformers": ("transformers", "transformers.trainer"),
+    "lightning": ("lightning", "lightning.pytorch", "lightning.fabric"),
+    "pytorch_lightning": ("pytorch_lightning",),
+    "accelerate": ("accelerate",),
+}
+_IMPORTS = re.compile(r"^\s*(?:import|from)\s+(" + "|".join(_FRAMEWORKS) + r")\b", re.M)
+# A script that writes its environment (before it imports torch or a framework, as some do) runs fresh: in a forked
+# probe, what it writes would come after the imports that read it.
+_WRITES_ENVIRON = re.compile(r"environ\s*\[[^]]*\]\s*=[^=]|environ\.(?:setdefault|update|pop)\b|putenv")
+
+_zygotes: dict[tuple, _Zygote] = {}  # by what they imported and the environment they imported it in, oldest first
+_ZYGOTES_KEPT = 4
+_zygote_lock = threading.Lock()
+
+
+def _zygote_for(env: dict[str, str], script: str) -> _Zygote | None:
+    """The zygote to fork a probe of ``script`` with ``env`` from, or None where the probe must run as a fresh
+    process. A zygote imported torch (and the script's frameworks) in ``env`` as it would be at a fresh process's
+    start: the same but for the variables read only while a script runs."""
+    if os.environ.get("LOSS_PROBE_FRESH") or env.get("LOSS_PROBE_FRESH"):
+        return None
+    try:
+        text = open(script, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if _WRITES_ENVIRON.search(text):
+        return None
+    preload = tuple(sorted({m for name in _IMPORTS.findall(text) for m in _FRAMEWORKS[name]}))
+    start_env = {k: v for k, v in env.items() if not k.startswith(_RUN_TIME_VARS)}
+    key = (preload, tuple(sorted(start_env.items())))
+    with _zygote_lock:
+        zygote = _zygotes.pop(key, None)
+        if zygote is None or not zygote.alive():
+            if zygote is not None:
+                zygote.close()
+            import atexit
+
+            zygote = _Zygote(start_env, preload)
+            atexit.register(zygote.close)
+        _zygotes[key] = zygote  # the most recently used last
+        while len(_zygotes) > _ZYGOTES_KEPT:
+            _zygotes.pop(next(iter(_zygotes))).close()
+    return zygote
 
 
 def run_probe(
@@ -302,8 +450,125 @@ def _run_child(script: str, script_args: list[str], steps: int, out: str) -> int
     os._exit(code)
 
 
+def _zygote_main(path: str, preload: list[str]) -> int:
+    """Import torch and the modules ``preload`` names, then fork a probe for each request on the socket at ``path``
+    until the parent is gone."""
+    import importlib
+
+    import torch  # noqa: F401 - the point of the zygote: every probe forked from here finds it imported
+
+    for name in preload:
+        importlib.import_module(name)
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    server.settimeout(1.0)
+    parent = os.getppid()
+    print("ready", flush=True)
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:  # the waiters that ended
+                pass
+        except ChildProcessError:
+            pass
+        if os.getppid() != parent:
+            return 0
+        try:
+            conn, _ = server.accept()
+        except (TimeoutError, socket.timeout):
+            continue
+        _flush_std()
+        if os.fork() == 0:  # the waiter: it forks the probe and reports its pid and exit status
+            try:
+                server.close()
+                _waiter(conn)
+            finally:
+                os._exit(0)
+        conn.close()
+
+
+def _waiter(conn: socket.socket) -> None:
+    stream = conn.makefile("rwb")
+    request = json.loads(stream.readline())
+    pid = os.fork()
+    if pid == 0:
+        try:
+            stream.close()
+            conn.close()
+            _forked_probe(request)
+        finally:
+            os._exit(1)
+    stream.write(f"{pid}\n".encode())
+    stream.flush()
+    _, status = os.waitpid(pid, 0)
+    stream.write(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    stream.flush()
+
+
+def _forked_probe(request: dict) -> None:
+    """In the forked process: become what a fresh ``python loss_probe.py`` would be, then run the script."""
+    import random
+    import traceback
+
+    try:
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        random.seed()  # seeded from the OS as in a fresh interpreter, not the zygote's state
+        if "numpy.random" in sys.modules:
+            sys.modules["numpy.random"].seed()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        _flush_std()
+        os._exit(1)
+    if request["mode"] == "script":
+        _run_script(request["script"], request["args"])
+    _run_child(request["script"], request["args"], request["steps"], request["out"])
+
+
+def _run_script(script: str, args: list[str]) -> None:
+    """What ``python SCRIPT ARGS`` does, in a forked process: run it as ``__main__``, then exit as the interpreter
+    would (its status, non-daemon threads joined, ``atexit`` handlers run)."""
+    import atexit
+    import runpy
+    import traceback
+
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # the interpreter waits for non-daemon threads before atexit
+    except BaseException:  # noqa: BLE001
+        pass
+    atexit._run_exitfuncs()
+    _flush_std()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--zygote"]:
+        return _zygote_main(argv[1], argv[2:])
     if "--" in argv:
         split = argv.index("--")
         own, rest = argv[:split], argv[split + 1:]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from loss_probe import run_probe
+from loss_probe import run_probe, run_script
 
 from autotune.project import load_project
 from autotune.patch import run, select
@@ -90,8 +90,6 @@ def trial(script: Path, args: Sequence[str], tmp: Path, knobs: Mapping[str, Any]
     """The result of one trial (``AUTOTUNE_TRIAL``) of a patched ``script`` run in ``tmp``, under ``knobs`` if given."""
     import json
     import os
-    import subprocess
-    import sys
 
     spec, result = tmp / "spec.json", tmp / "result.json"
     spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
@@ -101,7 +99,6 @@ def trial(script: Path, args: Sequence[str], tmp: Path, knobs: Mapping[str, Any]
         config = tmp / "config.yaml"
         config.write_text(yaml.safe_dump({"device": "cpu", "knobs": dict(knobs)}))
         env["AUTOTUNE_CONFIG"] = str(config)
-    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=tmp)
-    assert result.exists(), proc.stderr[-3000:]
+    _, output = run_script(script, args, env=env, cwd=tmp, timeout=TIMEOUT)
+    assert result.exists(), output[-3000:]
     return json.loads(result.read_text())
