@@ -312,7 +312,10 @@ def _zygote_for(env: dict[str, str], script: str) -> _Zygote | None:
                 zygote.close()
             import atexit
 
-            zygote = _Zygote(start_env, preload)
+            try:
+                zygote = _Zygote(start_env, preload)
+            except RuntimeError:  # an import failed there: a fresh run shows the script why
+                return None
             atexit.register(zygote.close)
         _zygotes[key] = zygote  # the most recently used last
         while len(_zygotes) > _ZYGOTES_KEPT:
