@@ -225,7 +225,6 @@ class _Zygote:
     """A process that imported torch, forking one probe per request (see the module's docstring)."""
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
-        self.env = env
         self.dir = tempfile.mkdtemp(prefix="loss_probe_zygote_")
         self.socket = os.path.join(self.dir, "z.sock")
         self.proc = subprocess.Popen(
@@ -401,6 +400,16 @@ def _shutdown_children() -> None:
             pass
 
 
+def _as_python_would(script: str, args: list[str]) -> None:
+    """``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` sets them."""
+    sys.argv = [script, *args]
+    script_dir = os.path.dirname(os.path.realpath(script))
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+
+
 def _run_child(script: str, script_args: list[str], steps: int, out: str) -> int:
     import runpy
     import traceback
@@ -408,12 +417,7 @@ def _run_child(script: str, script_args: list[str], steps: int, out: str) -> int
     losses: list[str] = []
     _install_backward_hook(steps, losses)
 
-    sys.argv = [script, *script_args]
-    script_dir = os.path.dirname(os.path.realpath(script))
-    if sys.path:
-        sys.path[0] = script_dir
-    else:
-        sys.path.insert(0, script_dir)
+    _as_python_would(script, script_args)
 
     ended = "script_exit"
     error = None
@@ -545,8 +549,7 @@ def _run_script(script: str, args: list[str]) -> None:
     import runpy
     import traceback
 
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    _as_python_would(script, args)
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
