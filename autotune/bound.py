@@ -54,7 +54,9 @@ def _targets_inside(node: cst.CSTNode) -> Iterator[str]:
 
 
 def statement_binds(stmt: cst.BaseStatement) -> set[str]:
-    """The names a simple statement binds (assignment targets, imports)."""
+    """The names a simple statement binds (assignment targets, imports), or a function or class definition."""
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+        return {stmt.name.value}
     if not isinstance(stmt, cst.SimpleStatementLine):
         return set()
     out: set[str] = set()

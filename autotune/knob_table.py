@@ -124,7 +124,7 @@ KNOBS = {knob.name: knob for knob in (
         'none',
         Numerics.REORDER,
         devices=frozenset({'cpu', 'cuda'}),
-        help="none: eager; otherwise torch.compile's mode (reduce-overhead and max-autotune use CUDA graphs on CUDA). The first steps pay for compilation: trials count them as warm-up",
+        help="none: eager; otherwise torch.compile's mode (reduce-overhead and max-autotune use CUDA graphs on CUDA), for the training steps: under no_grad/inference_mode (evaluation, sampling) the model runs as written and compiles nothing for their shapes. The first steps pay for compilation: trials count them as warm-up",
         compiles=True,
     ),
     Knob(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import itertools
 import sys
 import traceback
 from collections.abc import Iterable, Mapping
@@ -622,6 +623,12 @@ def _apply(facts: ModuleFacts, edits: Edits) -> cst.Module:
                 break
         at = last_import + 1 if last_import is not None else head
         body[at:at] = edits.post_imports
+        after = at + len(edits.post_imports)
+        if isinstance(body[after - 1], (cst.FunctionDef, cst.ClassDef)) and after < len(body):
+            # two blank lines below a definition, as above it (PEP 8)
+            lead = list(body[after].leading_lines)
+            blank = len(lead) - len(list(itertools.dropwhile(lambda line: line.comment is None, lead)))
+            body[after] = body[after].with_changes(leading_lines=[cst.EmptyLine()] * max(0, 2 - blank) + lead)
     top: list[cst.BaseStatement] = []
     if edits.uses_runtime and not facts.has_runtime_import():
         top.append(stmt(f"import {RUNTIME_MODULE} as {RUNTIME_ALIAS}\n"))

@@ -43,6 +43,7 @@ __all__ = [
     'checkpoint_blocks',
     'checkpoint_sequential',
     'checkpoint_switch',
+    'compile_for_training',
     'compile_model',
     'compile_seconds',
     'compile_step_begin',
@@ -436,10 +437,25 @@ def compile_model(model: Any, blocks: Any = (), switch: Any = False) -> Any:
         for path in blocks:
             targets.extend(inner.get_submodule(path))
     for module in targets or [inner]:
-        module.compile(**kwargs)
+        compile_for_training(module, **kwargs)
     took_effect("compile.mode", *(("compile.scope",) if targets else ()))
     model._autotune_compiled = True  # a plain attribute: not a parameter, buffer or state_dict entry
     return model
+
+
+def compile_for_training(module, **options):
+    """Module.compile for the training steps only: the module runs compiled where gradients are on, and as written
+    under torch.no_grad() or torch.inference_mode() (evaluation, sampling), so their other shapes and modes compile
+    nothing. state_dict keys are unchanged; a copy (copy.deepcopy) or a pickled module runs uncompiled."""
+    from torch import is_grad_enabled
+
+    module.compile(**options)
+    compiled, eager = module._compiled_call_impl, module._call_impl  # what Module.compile set, and the plain call
+
+    def call(*args, **kwargs):
+        return (compiled if is_grad_enabled() else eager)(*args, **kwargs)
+
+    module._compiled_call_impl = call
 
 
 def compile_step_begin() -> None:

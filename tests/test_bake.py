@@ -242,4 +242,4 @@ def test_bake_writes_the_declared_object_for_an_equal_value():
     equal = "".join(["max-", "autotune"])  # equal, not the same object
     assert equal is not mode
     baked = bake(project, {"compile.mode": equal}, "cpu")
-    assert 'compile(mode="max-autotune")' in baked.files[0].new_text
+    assert 'compile_for_training(model, mode="max-autotune")' in baked.files[0].new_text

@@ -97,6 +97,61 @@ def test_blocks_scope_without_blocks_compiles_the_model(knobs):
     assert model._compiled_call_impl is first
 
 
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_compiled_for_the_training_steps_only():
+    """What makemore's whole run needed (docs/benchmarks.md): evaluation under no_grad/inference_mode, and sampling
+    with its growing shapes, run as written instead of compiling again; a step with gradients runs what compiled.
+    Counted with a backend that records the graphs it is given (no inductor compile)."""
+    import copy
+    import io
+
+    from autotune.runtime_helpers import compile_for_training
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = _Mlp()  # not a bare nn.Sequential: Module.compile() of one compiles nothing on torch 2.13
+    keys = list(model.state_dict())
+    expected = [model(torch.ones(n, 4)).detach() for n in (3, 5)]
+    compile_for_training(model, backend=backend)
+    model(torch.ones(3, 4)).sum().backward()
+    assert len(graphs) == 1  # the training step compiled
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(5, 4)), expected[1])
+    with torch.inference_mode():
+        model(torch.ones(7, 4))
+    model.eval()
+    with torch.no_grad():
+        model(torch.ones(3, 4))
+    model.train()
+    assert torch.equal(model(torch.ones(3, 4)).detach(), expected[0])
+    assert len(graphs) == 1  # evaluation compiled nothing; the next training step ran the first graph
+    assert list(model.state_dict()) == keys
+    twin = copy.deepcopy(model)  # an EMA copy: its own weights, uncompiled (as a copy of Module.compile's)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert torch.equal(twin(torch.ones(3, 4)), torch.zeros(3, 1))
+    assert torch.equal(model(torch.ones(3, 4)).detach(), expected[0])
+    saved = io.BytesIO()
+    torch.save(model, saved)  # the whole module pickles, as an uncompiled one
+    saved.seek(0)
+    assert torch.equal(torch.load(saved, weights_only=False)(torch.ones(3, 4)).detach(), expected[0])
+    assert len(graphs) == 1
+
+
 @pytest.mark.parametrize(
     ("values", "marks"),
     [
@@ -179,7 +234,7 @@ def test_the_scripts_own_compile_switch_is_the_knob_where_it_is_off():
     (site,) = _sites("switch")
     assert site.status is Status.APPLICABLE and "the script's own switch" in site.reason
     assert "_autotune.compile_model(model, switch=args.compile)" in (CASES / "switch.out.py").read_text()
-    assert "if not args.compile:\n    model.compile()" in (CASES / "switch.bake.py").read_text()
+    assert "if not args.compile:\n    compile_for_training(model)" in (CASES / "switch.bake.py").read_text()
 
 
 def test_a_switch_in_a_config_dict_is_the_knob_too(tmp_path):

@@ -1,7 +1,9 @@
-"""compile: torch.compile the model in place (Module.compile: state_dict keys unchanged), whole or block by block."""
+"""compile: torch.compile the model in place (Module.compile: state_dict keys unchanged), whole or block by block, for
+its training steps: where gradients are off (evaluation, sampling) it runs as written."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,7 +47,9 @@ class Compile(Transform):
             "none",
             Numerics.REORDER,
             help="none: eager; otherwise torch.compile's mode (reduce-overhead and max-autotune use CUDA graphs "
-            "on CUDA). The first steps pay for compilation: trials count them as warm-up",
+            "on CUDA), for the training steps: under no_grad/inference_mode (evaluation, sampling) the model runs "
+            "as written and compiles nothing for their shapes. The first steps pay for compilation: trials count "
+            "them as warm-up",
             compiles=True,
         ),
         Knob(
@@ -76,6 +80,7 @@ class Compile(Transform):
         switches = self._switches
         targets = switches or self._targets
         eager_rng_set = False
+        helper = None  # the name of compile_for_training in a baked file
         for target in targets:
             if target.facts is not facts:
                 continue
@@ -83,16 +88,19 @@ class Compile(Transform):
                 self.report(facts, target.report_at, Status.APPLICABLE, (
                     f"if {target.switch}: {facts.code(target.report_at)}: the script's own switch (present, switched "
                     f"off where {target.switch} is false), which the compile knobs turn on there: "
-                    f"{target.code}.compile() in place, state_dict keys unchanged"))
+                    f"{target.code} compiled in place for its training steps, state_dict keys unchanged"))
             else:
                 self.report(facts, target.report_at, Status.APPLICABLE, self._reason(target))
             if self.mode.gated:
                 code = self._gated_call(edits, target)
                 new = [stmt(code)]
             else:
-                new = self._baked(facts, target)
+                if helper is None:
+                    helper = unique_name(facts, facts.module, compile_for_training.__name__)
+                new = self._baked(facts, target, helper)
                 if new and not eager_rng_set:
                     edits.require_import("torch._inductor.config")
+                    edits.after_imports(_helper_def(helper))
                     new.insert(0, stmt(f"torch._inductor.config.fallback_random = True  {EAGER_RNG_COMMENT}\n"))
                     eager_rng_set = True
             if target.after:
@@ -232,7 +240,8 @@ class Compile(Transform):
         cls = target.cls.name if isinstance(target.cls, ClassRef) else (target.cls or "").rsplit(".", 1)[-1]
         what = f"{target.code} ({cls})" if cls else target.code
         blocks = f"; repeated blocks: {', '.join(target.blocks)}" if target.blocks else "; no repeated blocks found"
-        return f"{what}: Module.compile in place, state_dict keys unchanged{blocks}"
+        return (f"{what}: Module.compile in place for the training steps (evaluation and sampling under no_grad run "
+                f"as written), state_dict keys unchanged{blocks}")
 
     def _gated_call(self, edits: Edits, target: _Target) -> str:
         helper = edits.runtime("compile_model")
@@ -243,7 +252,7 @@ class Compile(Transform):
             return f"{helper}({target.code}, blocks=[{paths}])\n"
         return f"{helper}({target.code})\n"
 
-    def _baked(self, facts: ModuleFacts, target: _Target) -> list[cst.BaseStatement]:
+    def _baked(self, facts: ModuleFacts, target: _Target, helper: str) -> list[cst.BaseStatement]:
         mode = self.mode.value(self.knob("mode"))
         if mode == "none":
             return []
@@ -251,14 +260,21 @@ class Compile(Transform):
         dynamic = self.mode.value(self.knob("dynamic"))
         if dynamic != "default":
             kwargs.append(f"dynamic={bool(dynamic)}")
-        args = ", ".join(kwargs)
+        args = "".join(f", {k}" for k in kwargs)
         if self.mode.value(self.knob("scope")) == "blocks" and target.blocks:
             scope = facts.function_of(target.anchor) or facts.module
             var = unique_name(facts, scope, "block", "layer")
-            return [stmt(f"for {var} in {target.code}.{path}:\n    {var}.compile({args})\n") for path in target.blocks]
+            return [stmt(f"for {var} in {target.code}.{path}:\n    {helper}({var}{args})\n") for path in target.blocks]
         if target.switch is not None:  # where the script's own switch is off
-            return [stmt(f"if not {target.switch}:\n    {target.code}.compile({args})\n")]
-        return [stmt(f"{target.code}.compile({args})\n")]
+            return [stmt(f"if not {target.switch}:\n    {helper}({target.code}{args})\n")]
+        return [stmt(f"{helper}({target.code}{args})\n")]
+
+
+def _helper_def(name: str) -> cst.BaseStatement:
+    """The runtime's compile_for_training, word for word, as a function of the baked file named ``name``: the tuned
+    script compiles as the trials did."""
+    source = inspect.getsource(compile_for_training).replace(f"def {compile_for_training.__name__}(", f"def {name}(", 1)
+    return cst.parse_statement(source).with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
 
 
 def _switch_of(facts: ModuleFacts, call: cst.Call) -> cst.If | None:
@@ -332,10 +348,25 @@ def compile_model(model: Any, blocks: Any = (), switch: Any = False) -> Any:
         for path in blocks:
             targets.extend(inner.get_submodule(path))
     for module in targets or [inner]:
-        module.compile(**kwargs)
+        compile_for_training(module, **kwargs)
     took_effect("compile.mode", *(("compile.scope",) if targets else ()))
     model._autotune_compiled = True  # a plain attribute: not a parameter, buffer or state_dict entry
     return model
+
+
+def compile_for_training(module, **options):
+    """Module.compile for the training steps only: the module runs compiled where gradients are on, and as written
+    under torch.no_grad() or torch.inference_mode() (evaluation, sampling), so their other shapes and modes compile
+    nothing. state_dict keys are unchanged; a copy (copy.deepcopy) or a pickled module runs uncompiled."""
+    from torch import is_grad_enabled
+
+    module.compile(**options)
+    compiled, eager = module._compiled_call_impl, module._call_impl  # what Module.compile set, and the plain call
+
+    def call(*args, **kwargs):
+        return (compiled if is_grad_enabled() else eager)(*args, **kwargs)
+
+    module._compiled_call_impl = call
 
 
 def compile_step_begin() -> None:
