@@ -14,6 +14,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.project import TrainingLoop
+from autotune.syntax import assigned_names, is_literal, stores
 
 # calls whose first argument is what the loop really iterates over: enumerate(loader), tqdm(loader, ...)
 _WRAPPERS = {"enumerate", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm"}
@@ -37,7 +38,12 @@ def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[tuple[cst
     for node in chain:
         where = f"{name}:{facts.position(node)[0]}"
         if isinstance(node, cst.While):
-            return [(chain[0], None, f"the loop at {where} is a while loop: its length is known only as it ends", 0)]
+            counted = _while_count(facts, node) if node is chain[0] else None  # counted once, from its start
+            if counted is None:
+                return [(chain[0], None, f"the loop at {where} is a while loop that does not end on a counter's "
+                         "bound (`while step < n` or `if step >= n: break`): its length is known only as it ends", 0)]
+            out.append((node, *counted))
+            continue
         if _ends_early(node):
             return [(chain[0], None, f"the loop at {where} may end before its iterable does (break or return)", 0)]
         read = _iterable(facts, node.iter)
@@ -62,6 +68,115 @@ def _iterable(facts: ModuleFacts, it: cst.BaseExpression) -> tuple[str, str] | N
         code = facts.code(it)
         return code, f"len({code})"
     return None
+
+
+def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
+    """(code whose len() is how many times ``loop`` runs, counted from where it starts, and how the user reads it)
+    for the counted while loops of training scripts, else None:
+
+    - ``while step < n:`` (or ``<=``) with ``step += 1`` once in its body, no break;
+    - ``while True:`` whose last statement is ``if step >= n: break`` (or ``>``, or ``cond and step >= n`` with a
+      plain ``cond``: karpathy/makemore) below its one ``step += 1`` (nanoGPT), or whose first statement is that
+      ``if`` (checked before the iteration's work).
+
+    ``step`` is a local or global name bound nowhere else in the loop (nor declared global by a function), ``n`` plain
+    values the loop does not assign. No ``continue`` (it would skip the count) and no other way out."""
+    if not isinstance(loop.body, cst.IndentedBlock) or loop.orelse is not None:
+        return None
+    body = list(loop.body.body)
+    if isinstance(loop.test, cst.Comparison):
+        compare, until, at_top = loop.test, False, False
+    elif is_literal(loop.test, True) and body and _breaks_on(body[-1]) is not None:
+        compare, until, at_top = _breaks_on(body[-1]), True, False
+    elif is_literal(loop.test, True) and body and _breaks_on(body[0]) is not None:
+        compare, until, at_top = _breaks_on(body[0]), True, True
+    else:
+        return None
+    cond = None
+    if isinstance(compare, cst.BooleanOperation):  # ``cond and step >= n``: a plain condition read at the start
+        cond, compare = compare.left, compare.right
+        if not isinstance(compare, cst.Comparison) or not _plain_condition(facts, cond):
+            return None
+    if len(compare.comparisons) != 1 or not isinstance(compare.left, cst.Name):
+        return None
+    op, limit = compare.comparisons[0].operator, compare.comparisons[0].comparator
+    counter = compare.left.value
+    wanted = (cst.GreaterThanEqual, cst.GreaterThan) if until else (cst.LessThan, cst.LessThanEqual)
+    if not isinstance(op, wanted) or not _plain(facts, limit):
+        return None
+    steps = [i for i, s in enumerate(body) if _counts(s, counter)]
+    if len(steps) != 1 or len(stores(facts, loop.body, counter)) != 1:
+        return None
+    if until and not at_top and steps[0] == len(body) - 1 or until and at_top and steps[0] == 0:
+        return None
+    if _leaves(loop, allowed=body[-1] if until and not at_top else body[0] if until else None):
+        return None
+    assigned = assigned_names(facts, loop.body)
+    reads = {n.value for n in facts.nodes_in(limit, cst.Name)} | (
+        {n.value for n in facts.nodes_in(cond, cst.Name)} if cond is not None else set())
+    if reads & assigned or _declared_global(facts, counter):
+        return None
+    bound = facts.code(limit)
+    inclusive = isinstance(op, (cst.GreaterThan, cst.LessThanEqual))
+    end = f"{bound} + 1" if inclusive else bound
+    if until and not at_top:  # the check follows the count: at least one iteration runs
+        code = f"range({counter}, max({end}, {counter} + 1))"
+    else:
+        code = f"range({counter}, {end})"
+    if cond is not None:
+        code = f"{code} if {facts.code(cond)} else None"  # not a bound where cond is false: no length
+    return code, f"iterations until {facts.code(compare)}" if until else f"iterations while {facts.code(compare)}"
+
+
+def _breaks_on(statement: cst.BaseStatement) -> cst.BaseExpression | None:
+    """``X`` of ``if X: break`` (no elif or else), else None."""
+    if not isinstance(statement, cst.If) or statement.orelse is not None:
+        return None
+    inner = statement.body.body if isinstance(statement.body, cst.IndentedBlock) else ()
+    if len(inner) != 1 or not isinstance(inner[0], cst.SimpleStatementLine) or len(inner[0].body) != 1:
+        if isinstance(statement.body, cst.SimpleStatementSuite) and len(statement.body.body) == 1:
+            return statement.test if isinstance(statement.body.body[0], cst.Break) else None
+        return None
+    return statement.test if isinstance(inner[0].body[0], cst.Break) else None
+
+
+def _counts(statement: cst.BaseStatement, counter: str) -> bool:
+    """``counter += 1`` as a statement of its own."""
+    if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
+        return False
+    small = statement.body[0]
+    return (isinstance(small, cst.AugAssign) and isinstance(small.operator, cst.AddAssign)
+            and isinstance(small.target, cst.Name) and small.target.value == counter and is_literal(small.value, 1))
+
+
+def _plain_condition(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
+    """A comparison of plain values, or ``and`` of such (``args.max_steps >= 0``)."""
+    if isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.And):
+        return _plain_condition(facts, node.left) and _plain_condition(facts, node.right)
+    if isinstance(node, cst.Comparison):
+        return _plain(facts, node.left) and all(_plain(facts, c.comparator) for c in node.comparisons)
+    return False
+
+
+def _leaves(loop: cst.While, allowed: cst.BaseStatement | None) -> bool:
+    """Whether ``loop``'s body may leave an iteration other than through the ``if ...: break`` statement ``allowed``:
+    a break or continue of its own, or a return."""
+    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body if s is not allowed]
+    while stack:
+        node, own = stack.pop()
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            continue
+        if isinstance(node, cst.Return) or (own and isinstance(node, (cst.Break, cst.Continue))):
+            return True
+        inner = own and not isinstance(node, (cst.For, cst.While))
+        stack.extend((child, inner) for child in node.children)
+    return False
+
+
+def _declared_global(facts: ModuleFacts, name: str) -> bool:
+    """Whether some function of the module declares ``name`` global or nonlocal (a call could change it)."""
+    return any(n.name.value == name for kind in (cst.Global, cst.Nonlocal)
+               for statement in facts.nodes_in(facts.module, kind) for n in statement.names)
 
 
 def _name(facts: ModuleFacts, func: cst.BaseExpression) -> str | None:

@@ -75,6 +75,55 @@ while it < 30:
         it += 1
 '''
 
+# the counted while loops of training scripts: karpathy/makemore's (a plain condition and the bound, checked after
+# the count), nanoGPT's (``>``, accumulation inside, a global counter), and ``while step < n``
+UNTIL = HEAD + '''
+max_steps = 20
+batches = iter(loader)
+step = 0
+while True:
+    x, y = next(batches, (torch.randn(8, 4), torch.randn(8, 1)))
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    step += 1
+    # termination conditions
+    if max_steps >= 0 and step >= max_steps:
+        break
+'''
+
+NANOGPT_WHILE = HEAD + '''
+max_iters, accum = 10, 2
+iter_num = 0
+while True:
+    for micro_step in range(accum):
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)) / accum
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    iter_num += 1
+    if iter_num > max_iters:
+        break
+'''
+
+COUNTED_WHILE = HEAD + '''
+def train(max_steps):
+    step = 0
+    while step < max_steps:
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+
+train(15)
+'''
+
+# a counter the loop also sets elsewhere, and a second way out: neither is a bound
+RESET_WHILE = UNTIL.replace("    step += 1\n", "    step += 1\n    if loss.item() < 0.01:\n        step = 0\n")
+EXIT_WHILE = UNTIL.replace("    step += 1\n", "    step += 1\n    if loss.item() < 1e-9:\n        break\n")
+
 BREAKS = HEAD + '''
 max_steps = 20
 done = 0
@@ -99,6 +148,10 @@ for x, y in batches():
     loss.backward()
     opt.step()
 '''
+
+
+WHILE_WHY = ("the loop at train.py:{} is a while loop that does not end on a counter's bound (`while step < n` or "
+             "`if step >= n: break`): its length is known only as it ends")
 
 
 def _patched(tmp_path: Path, body: str) -> str:
@@ -129,10 +182,12 @@ def test_each_loop_around_the_step_tells_its_length_before_it_starts(body, expec
 
 
 @pytest.mark.parametrize("body, why", [
-    (WHILE, "the loop at train.py:13 is a while loop: its length is known only as it ends"),
+    (WHILE, WHILE_WHY.format(13)),
+    (RESET_WHILE, WHILE_WHY.format(15)),
+    (EXIT_WHILE, WHILE_WHY.format(15)),
     (BREAKS, "the loop at train.py:15 may end before its iterable does (break or return)"),
     (GENERATED, "the loop at train.py:15 iterates over batches(), whose length is not read"),
-], ids=["while", "break", "generator"])
+], ids=["while", "while-reset", "while-exit", "break", "generator"])
 def test_where_the_runs_length_cannot_be_read_the_patch_says_why(body, why, tmp_path):
     markers = _markers(_patched(tmp_path, body))
     assert len(markers) == 1 and markers[0].startswith("_autotune.loop_length(None, ") and repr(why) in markers[0]
@@ -150,8 +205,12 @@ def _trial(tmp_path: Path, body: str):
     (NESTED, 36, "range(epochs) 3 x len(loader) 12, read as the loops started"),
     (ACCUMULATED, 9, "range(1, epochs + 1) 3 x len(loader) 12, 4 iterations a step, read as the loops started"),
     (TRAINER, 36, "range(max_epochs) 3 x len(self.loader) 12, read as the loops started"),
-    (WHILE, None, "the loop at train.py:13 is a while loop: its length is known only as it ends"),
-], ids=["nested", "accumulated", "trainer", "while"])
+    (WHILE, None, WHILE_WHY.format(13)),
+    (UNTIL, 20, "iterations until step >= max_steps 20, read as the loops started"),
+    (UNTIL.replace("max_steps = 20", "max_steps = -1"), None, "iterations until step >= max_steps has no length"),
+    (NANOGPT_WHILE, 11, "iterations until iter_num > max_iters 11, read as the loops started"),
+    (COUNTED_WHILE, 15, "iterations while step < max_steps 15, read as the loops started"),
+], ids=["nested", "accumulated", "trainer", "while", "until", "until-unbounded", "nanogpt", "while-counted"])
 def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, said, tmp_path):
     result = _trial(tmp_path, body)
     assert result.status is Outcome.OK, result.stderr_tail
