@@ -77,7 +77,9 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
     - ``while step < n:`` (or ``<=``) with ``step += 1`` once in its body, no break;
     - ``while True:`` whose last statement is ``if step >= n: break`` (or ``>``, or ``cond and step >= n`` with a
       plain ``cond``: karpathy/makemore) below its one ``step += 1`` (nanoGPT), or whose first statement is that
-      ``if`` (checked before the iteration's work).
+      ``if`` (checked before the iteration's work);
+    - other ``if ...: break`` statements of the body only where one of their ``and`` terms is a plain setting the loop
+      does not assign (nanoGPT's ``if iter_num == 0 and eval_only: break``): counted where it is off.
 
     ``step`` is a local or global name bound nowhere else in the loop (nor declared global by a function), ``n`` plain
     values the loop does not assign. No ``continue`` (it would skip the count) and no other way out."""
@@ -109,11 +111,21 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
         return None
     if until and not at_top and steps[0] == len(body) - 1 or until and at_top and steps[0] == 0:
         return None
-    if _leaves(loop, allowed=body[-1] if until and not at_top else body[0] if until else None):
-        return None
     assigned = assigned_names(facts, loop.body)
-    reads = {n.value for n in facts.nodes_in(limit, cst.Name)} | (
-        {n.value for n in facts.nodes_in(cond, cst.Name)} if cond is not None else set())
+    ending = body[-1] if until and not at_top else body[0] if until else None
+    # other ways out that a setting of the run closes (nanoGPT: ``if iter_num == 0 and eval_only: break``): counted
+    # where the setting, read as the loop starts, is off
+    guards = []
+    for statement in body:
+        test = _breaks_on(statement) if statement is not ending else None
+        if test is not None:
+            settings = [c for c in _conjuncts(test) if _plain_condition(facts, c) and not _names(facts, c) & assigned]
+            if not settings:
+                return None
+            guards.append(settings[0])
+    if _leaves(loop, allowed={ending, *(s for s in body if _breaks_on(s) is not None)}):
+        return None
+    reads = _names(facts, limit) | (_names(facts, cond) if cond is not None else set())
     if reads & assigned or _declared_global(facts, counter):
         return None
     bound = facts.code(limit)
@@ -123,8 +135,10 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
         code = f"range({counter}, max({end}, {counter} + 1))"
     else:
         code = f"range({counter}, {end})"
-    if cond is not None:
-        code = f"{code} if {facts.code(cond)} else None"  # not a bound where cond is false: no length
+    conditions = ([facts.code(cond)] if cond is not None else []) + [
+        f"not {facts.code(g)}" if _plain_reference(g) else f"not ({facts.code(g)})" for g in guards]
+    if conditions:  # not a bound where they do not hold: no length
+        code = f"{code} if {' and '.join(conditions)} else None"
     return code, f"iterations until {facts.code(compare)}" if until else f"iterations while {facts.code(compare)}"
 
 
@@ -149,19 +163,35 @@ def _counts(statement: cst.BaseStatement, counter: str) -> bool:
             and isinstance(small.target, cst.Name) and small.target.value == counter and is_literal(small.value, 1))
 
 
+def _conjuncts(node: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """``a``, ``b`` and ``c`` of ``a and b and c``; ``[node]`` for anything else."""
+    if isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.And):
+        return _conjuncts(node.left) + _conjuncts(node.right)
+    return [node]
+
+
+def _names(facts: ModuleFacts, node: cst.CSTNode) -> set[str]:
+    return {n.value for n in facts.nodes_in(node, cst.Name)}
+
+
 def _plain_condition(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
-    """A comparison of plain values, or ``and`` of such (``args.max_steps >= 0``)."""
+    """A comparison of plain values, a plain value itself (``eval_only``), ``not`` or ``and`` of such
+    (``args.max_steps >= 0``)."""
     if isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.And):
         return _plain_condition(facts, node.left) and _plain_condition(facts, node.right)
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not):
+        return _plain_condition(facts, node.expression)
+    if _plain_reference(node):
+        return True
     if isinstance(node, cst.Comparison):
         return _plain(facts, node.left) and all(_plain(facts, c.comparator) for c in node.comparisons)
     return False
 
 
-def _leaves(loop: cst.While, allowed: cst.BaseStatement | None) -> bool:
-    """Whether ``loop``'s body may leave an iteration other than through the ``if ...: break`` statement ``allowed``:
-    a break or continue of its own, or a return."""
-    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body if s is not allowed]
+def _leaves(loop: cst.While, allowed: set[cst.BaseStatement | None]) -> bool:
+    """Whether ``loop``'s body may leave an iteration other than through the ``if ...: break`` statements
+    ``allowed``: a break or continue of its own, or a return."""
+    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body if s not in allowed]
     while stack:
         node, own = stack.pop()
         if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):

@@ -94,9 +94,11 @@ while True:
 '''
 
 NANOGPT_WHILE = HEAD + '''
-max_iters, accum = 10, 2
+max_iters, accum, eval_only = 10, 2, False
 iter_num = 0
 while True:
+    if iter_num == 0 and eval_only:
+        break
     for micro_step in range(accum):
         loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)) / accum
         loss.backward()
@@ -191,6 +193,14 @@ def test_each_loop_around_the_step_tells_its_length_before_it_starts(body, expec
 def test_where_the_runs_length_cannot_be_read_the_patch_says_why(body, why, tmp_path):
     markers = _markers(_patched(tmp_path, body))
     assert len(markers) == 1 and markers[0].startswith("_autotune.loop_length(None, ") and repr(why) in markers[0]
+
+
+def test_a_counted_while_loop_tells_its_length_where_the_settings_that_end_it_early_are_off(tmp_path):
+    """nanoGPT's ``if iter_num == 0 and eval_only: break``: a way out the run's settings close; the count holds
+    where ``eval_only`` is off as the loop starts, and the run's length is unknown where it is on."""
+    assert _markers(_patched(tmp_path, NANOGPT_WHILE)) == [
+        "_autotune.loop_length(lambda: range(iter_num, max(max_iters + 1, iter_num + 1)) if not eval_only else None, "
+        "'iterations until iter_num > max_iters', 'train.py:14', 1)"]
 
 
 def _trial(tmp_path: Path, body: str):
