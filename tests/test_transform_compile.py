@@ -260,3 +260,21 @@ def test_compile_model_leaves_a_model_the_scripts_switch_compiled(switch, compil
     model = torch.nn.Linear(4, 2)
     runtime.compile_model(model, switch=switch)
     assert _compiled(model) is compiled  # Module.compile is lazy: nothing is compiled until the first call
+
+
+def test_a_model_a_factory_returns_with_its_optimizer_compiles_before_the_trainer_wraps_it(tmp_path):
+    """pytorch/examples' minGPT-ddp: ``model, optimizer = get_train_objs(...)`` (the optimizer built from parameter
+    groups by a helper), then a trainer class that wraps ``self.model`` in DDP. The model is compiled right after the
+    factory returns it, whole-model or block by block; at default knobs the losses are the original's, bit for bit,
+    and compiled the evaluation (gradients off, another shape) runs as written."""
+    from transform_cases import assert_same_losses, losses, original, patched, sites
+
+    (site,) = sites("compile", "factory_ddp_trainer")
+    assert site.status is Status.APPLICABLE and site.reason.startswith("model (TinyGPT): Module.compile in place")
+    assert "repeated blocks: blocks" in site.reason
+    text = patched("compile", "factory_ddp_trainer")
+    assert "    model, optimizer = get_train_objs(32, 1e-3)\n    _autotune.compile_model(model, blocks=[\"blocks\"])\n" in text
+    want = original(tmp_path, "compile", "factory_ddp_trainer")
+    assert_same_losses(losses(tmp_path, "default", text), want, "cpu")
+    compiled = losses(tmp_path, "compiled", text, knobs={"compile.mode": "default", "compile.scope": "blocks"})
+    assert [float.fromhex(v) for v in compiled] == pytest.approx([float.fromhex(v) for v in want], rel=1e-4)

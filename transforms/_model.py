@@ -145,38 +145,59 @@ def enclosing_class(facts: ModuleFacts, node: cst.CSTNode) -> ClassRef | None:
 # --- what a model is built from ---------------------------------------------------------------------------
 
 
-def model_class(project: Project, facts: ModuleFacts, scope: cst.CSTNode, expr: cst.BaseExpression, depth: int = 0):
+def model_class(project: Project, facts: ModuleFacts, scope: cst.CSTNode, expr: cst.BaseExpression, depth: int = 0,
+                index: int | None = None):
     """The class an expression builds or holds: a ClassRef for a local class, a qualified name for a torch one.
 
-    Follows ``.to(device)`` chains, names assigned earlier in the same function and local factory functions.
+    Follows ``.to(device)`` chains, names assigned earlier in the same function (also unpacked from a tuple) and
+    local factory functions; ``index``: the element of the tuple ``expr`` gives that is meant.
     """
     if depth > 4:
         return None
     while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in MODULE_CHAIN:
         expr = expr.func.value
     if isinstance(expr, cst.Name):
-        found = assignments(facts, scope, expr.value, before=None)
+        found = assignments(facts, scope, expr.value, before=None, unpacking=True)
         for assign in reversed(found):
-            result = model_class(project, facts, scope, assign.value, depth + 1)
+            index = unpacked_index(facts, assign, expr.value)
+            result = model_class(project, facts, scope, assign.value, depth + 1, index)
             if result is not None:
                 return result
         return None
+    if index is not None and isinstance(expr, (cst.Tuple, cst.List)):  # ``model, opt = GPT(cfg), None``
+        elements = expr.elements
+        return model_class(project, facts, scope, elements[index].value, depth + 1) if index < len(elements) else None
     if not isinstance(expr, cst.Call):
         return None
     qual = facts.qualname(expr.func) or zoo_factory(facts, expr)
-    ref = find_class(project, qual)
-    if ref is not None:
-        return ref
-    if qual and (qual.startswith(("torch.nn.", "torchvision.models.", "timm.models.")) or qual == "timm.create_model"):
-        return qual
+    if index is None:
+        ref = find_class(project, qual)
+        if ref is not None:
+            return ref
+        if qual and (qual.startswith(("torch.nn.", "torchvision.models.", "timm.models.")) or qual == "timm.create_model"):
+            return qual
     target = find_function(project, qual)
-    if target is not None:
+    if target is not None:  # a local factory: what it returns (element ``index`` of the tuple it returns)
         owner, fn = target
         for ret in owner.nodes_in(fn, cst.Return):
             if ret.value is not None and owner.function_of(ret) is fn:
-                result = model_class(project, owner, fn, ret.value, depth + 1)
+                result = model_class(project, owner, fn, ret.value, depth + 1, index)
                 if result is not None:
                     return result
+    return None
+
+
+def unpacked_index(facts: ModuleFacts, assign: cst.Assign, name: str) -> int | None:
+    """Where ``name`` sits in the tuple ``assign`` unpacks (``model, opt = ...``: 0 for model); None where the
+    assignment binds it whole."""
+    for target in assign.targets:
+        if isinstance(target.target, (cst.Tuple, cst.List)):
+            elements = target.target.elements
+            if any(isinstance(e, cst.StarredElement) for e in elements):
+                return None
+            for i, element in enumerate(elements):
+                if binds(facts, element.value, name):
+                    return i
     return None
 
 
@@ -415,13 +436,13 @@ class Training:
             for scope, name, use in self.uses(facts):
                 if (id(scope), name) in seen:
                     continue
-                found = assignments(facts, scope, name, before=use)
+                found = assignments(facts, scope, name, before=use, unpacking=True)
                 built = tuple(
                     a
                     for a in found
                     if _wrapper(facts, a) is None
                     and isinstance(strip_module_chain(a.value), cst.Call)
-                    and model_class(self.project, facts, scope, a.value) is not None
+                    and model_class(self.project, facts, scope, a.value, index=unpacked_index(facts, a, name)) is not None
                 )
                 if not built:
                     continue

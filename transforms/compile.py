@@ -14,7 +14,7 @@ from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import is_setting, scope_of, stmt, unique_name
 
-from ._model import ClassRef, block_paths, model_class, training
+from ._model import ClassRef, block_paths, model_class, training, unpacked_index
 
 # inductor's own random numbers give other dropout masks than eager (char_gpt: losses 1e-3 apart from step 1, 1e-7
 # with this), so the loss gate could never accept compile on a model with dropout
@@ -203,7 +203,8 @@ class Compile(Transform):
             if model.point in seen:
                 continue
             seen.add(model.point)
-            classes = [model_class(self.project, model.facts, model.scope, a.value) for a in model.bindings]
+            classes = [model_class(self.project, model.facts, model.scope, a.value,
+                                   index=unpacked_index(model.facts, a, model.name)) for a in model.bindings]
             # one block path for every class the branches may build: blocks compiled whichever branch ran
             paths = [block_paths(self.project, cls) for cls in classes]
             blocks = tuple(p for p in paths[-1] if all(p in other for other in paths))
