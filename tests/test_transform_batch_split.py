@@ -24,8 +24,10 @@ def _patched_script(tmp_path: Path, name: str) -> Path:
 
 def test_a_loop_that_accumulates_over_its_loaders_batches_gets_the_knob():
     (site,) = sites("batch_split", "accumulate")
-    assert (site.status, site.line) == (Status.APPLICABLE, 39)
+    assert (site.status, site.line) == (Status.APPLICABLE, 40)
     assert site.reason.startswith("micro-batches of args.batch_size x args.accum accumulation steps: the split")
+    assert site.reason.endswith("; i only decides when to log (line 46): it counts micro-batches, so at a split of k "
+                                "the script logs 1/k as often (x2: half as often), the training the same")
     (site,) = sites("batch_split", "constants")
     assert (site.status, site.line) == (Status.APPLICABLE, 18)
     assert "BATCH_SIZE x GRAD_ACCUM" in site.reason
@@ -74,7 +76,10 @@ def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
 
 
 @pytest.mark.parametrize("parts, reason", [
-    ({"inside": "if i % 10 == 0: print(loss.item())"}, "i counts micro-batches (line 20): the split changes it"),
+    ({"inside": "if i % 10 == 0: sched.step()", "extra": "sched = torch.optim.lr_scheduler.StepLR(opt, 10)"},
+     "i counts micro-batches (line 20): the split changes it"),
+    ({"inside": "if i % 10 == 0:\n        last = loss.item()\n        print(last)\n    print(last)"},
+     "i counts micro-batches (line 20): the split changes it"),
     ({"scale": ""}, "the loss is not divided by args.accum: the split would change the gradient's scale"),
     ({"extra": "print('global batch', args.bs * args.accum)"}, "args.bs is also read at line 13: the split would "
                                                                "change it"),
@@ -99,6 +104,21 @@ def _scan(tmp_path: Path, **parts: str) -> list[tuple[Status, str]]:
 ])
 def test_where_the_split_would_change_what_is_trained_it_is_not_applicable(tmp_path, parts, reason):
     assert _scan(tmp_path, **parts) == [(Status.NOT_APPLICABLE, reason.replace("{dir}", str(tmp_path)))]
+
+
+@pytest.mark.parametrize("inside", [
+    "if i % 10 == 0: print(loss.item())",
+    "if i % 10 == 0:\n        shown = loss.item() * args.accum\n        print(f'{i}: {shown:.4f}')",
+    "if i % 10 == 0 and i > 0:\n        logger.info('loss %.4f', loss.item())\n        writer.add_scalar('loss', loss.item(), i)",
+])
+def test_a_counter_that_only_decides_when_to_log_keeps_the_split_and_the_report_says_what_changes(tmp_path, inside):
+    """issue 35: a micro-step counter read only to log (print, logging, a TensorBoard writer) is no reason to
+    refuse: the split changes how often the script logs, which the site says, and nothing it trains."""
+    extra = "import logging; logger = logging.getLogger(); writer = None"
+    ((status, reason),) = _scan(tmp_path, inside=inside, extra=extra)
+    assert status is Status.APPLICABLE
+    assert reason.endswith("; i only decides when to log (line 20): it counts micro-batches, so at a split of k the "
+                           "script logs 1/k as often (x2: half as often), the training the same")
 
 
 def test_dropout_at_zero_and_a_loop_that_steps_every_batch(tmp_path):

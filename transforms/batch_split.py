@@ -3,6 +3,7 @@ gradients over the batches of its DataLoader (``if (i + 1) % accum == 0: optimiz
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class _Split:
     accumulation: str  # and the accumulation steps: ``args.accum``
     after: cst.BaseStatement  # both are bound (once) by here, and not yet read
     first: bool = False  # both are parameters of the function: the split goes before ``after``, its first statement
+    note: str = ""  # what else the split changes (when the script logs), for the report
 
 
 class BatchSplit(Transform):
@@ -84,7 +86,7 @@ class BatchSplit(Transform):
             self.report(facts, at, Status.APPLICABLE, (
                 f"micro-batches of {found.micro} x {found.accumulation} accumulation steps: the split of each "
                 "optimizer step's samples becomes a knob (bigger micro-batches, fewer accumulation steps, the same "
-                "samples in the same order)"))
+                f"samples in the same order){found.note}"))
             pair = f"{found.micro}, {found.accumulation}"
             insert = edits.insert_before if found.first else edits.insert_after
             if self.mode.gated:
@@ -125,10 +127,14 @@ class BatchSplit(Transform):
                          "n, batch_size))`: its micro-batches cannot be told")
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return if_, "the batch split is already a knob"
+        logs: list[cst.If] = []
         for n in facts.nodes_in(node.body, cst.Name):
             if n.value == counter and names_variable(facts, n) and not facts.contains(if_.test, n):
-                line = _line(facts, n)
-                return n, f"{counter} counts micro-batches (line {line}): the split changes it"
+                log = _logging_if(facts, n, node)
+                if log is None:
+                    line = _line(facts, n)
+                    return n, f"{counter} counts micro-batches (line {line}): the split changes it"
+                logs.append(log)
         accumulation = _accumulation(facts, if_.test, counter, _start(node), loader)
         if accumulation is None:
             return if_, (f"the optimizer step's condition `{facts.code(if_.test)}` is not `({counter} + 1) % "
@@ -161,7 +167,13 @@ class BatchSplit(Transform):
         if changed is not None:
             return node, changed
         when = "the DataLoader is built" if loader is not None else "the slices are taken"
-        return _placed(facts, facts.code(micro), code, before, built, when)
+        placed = _placed(facts, facts.code(micro), code, before, built, when)
+        if logs and isinstance(placed, _Split):
+            lines = ", ".join(str(_line(facts, log)) for log in dict.fromkeys(logs))
+            placed = dataclasses.replace(placed, note=(
+                f"; {counter} only decides when to log (line {lines}): it counts micro-batches, so at a split of k "
+                f"the script logs 1/k as often (x2: half as often), the training the same"))
+        return placed
 
     def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> _Split | tuple[cst.CSTNode, str]:
         """The split of an inner micro-batch loop, ``for micro in range(accum):`` holding the backward and not the
@@ -678,6 +690,40 @@ def _last_of_epoch(facts: ModuleFacts, test: cst.BaseExpression, counter: str, s
     last = {0: {f"{counter}+1==len{loader}", f"len{loader}=={counter}+1", f"{counter}==len{loader}-1"},
             1: {f"{counter}==len{loader}", f"len{loader}=={counter}"}}.get(start, set())
     return spelled in last
+
+
+# calls that only report: print(...), logger.info(...), writer.add_scalar(...), wandb.log(...), pbar.set_postfix(...)
+_LOG_CALLS = {"print", "info", "debug", "warning", "log", "add_scalar", "add_scalars", "set_postfix",
+              "set_description", "write"}
+
+
+def _logging_if(facts: ModuleFacts, name: cst.Name, loop: cst.CSTNode) -> cst.If | None:
+    """The ``if`` that holds ``name`` (in its test or its body) and only reports (``if i % log_every == 0:
+    print(i, ...)``); None where ``name`` is read anywhere else or the body does more than report."""
+    test_of = next((a for a in facts.ancestors(name) if isinstance(a, cst.If) or a is loop), None)
+    if not isinstance(test_of, cst.If) or test_of.orelse is not None or not facts.contains(loop, test_of):
+        return None
+    if isinstance(test_of.body, cst.SimpleStatementSuite):  # ``if i % 10 == 0: print(...)`` on one line
+        smalls = list(test_of.body.body)
+    elif all(isinstance(st, cst.SimpleStatementLine) for st in test_of.body.body):
+        smalls = [small for st in test_of.body.body for small in st.body]
+    else:
+        return None
+    local: set[str] = set()
+    for small in smalls:
+        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+            func = small.value.func
+            called = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else None
+            if called not in _LOG_CALLS:
+                return None
+        elif isinstance(small, cst.Assign) and all(isinstance(t.target, cst.Name) for t in small.targets):
+            local.update(t.target.value for t in small.targets)  # a value for the message: read nowhere else
+        else:
+            return None
+    for other in facts.nodes_in(loop, cst.Name):
+        if other.value in local and not facts.contains(test_of.body, other):
+            return None
+    return test_of
 
 
 def _line(facts: ModuleFacts, node: cst.CSTNode) -> int:
