@@ -676,6 +676,7 @@ def test_a_compiling_winners_one_time_cost_says_what_it_could_not_count_where_th
                                            "after 300 steps (your run: 1000)")
     unknown = startup(won, True, 5, None)
     assert unknown.startswith("start-up 3s longer than the baseline's (compilation): it pays for itself after 300 "
-                              "steps, counted on runs of 25 steps: code they did not reach (evaluation, sampling")
+                              "steps, counted on runs of 25 steps: what they did not reach (a training step of a "
+                              "new shape, an evaluation with gradients on)")
     assert "--train-steps N" in unknown
     assert startup(won, False, 5, None) is None  # nothing compiles: no one-time cost to speak of

@@ -63,11 +63,13 @@ def startup(winner: Confirmation, compiles: bool, warmup: int, train_steps: int 
         return text + f" (your run: {train_steps})"
     # the run's length unknown: the runs measured its first steps only. makemore's tuned script (docs/benchmarks.md,
     # session 38): 150-step runs compiled in 3 s more; its first 2000-step run took 108 s against 20 s, recompiling
-    # for the sampling and evaluation its runs never reached
+    # for the sampling and evaluation its runs never reached. Evaluation under no_grad no longer compiles (session
+    # 40: the model is compiled for its training steps); a training step of a new shape, or an evaluation with
+    # gradients on, still does
     length = max(r.steps_done for r in runs)
-    return (text + f", counted on runs of {length} steps: code they did not reach (evaluation, sampling, an input "
-            "of a new shape) compiles in your run too, and is not in it; give --train-steps N to rank by your whole "
-            "run, or time one whole run of the tuned script")
+    return (text + f", counted on runs of {length} steps: what they did not reach (a training step of a new shape, "
+            "an evaluation with gradients on) compiles in your run too, and is not in it; give --train-steps N to "
+            "rank by your whole run, or time one whole run of the tuned script")
 
 
 def whole_run(winner: Confirmation, steps: int | None, warmup: int) -> str | None:
