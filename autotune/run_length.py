@@ -106,10 +106,7 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
     wanted = (cst.GreaterThanEqual, cst.GreaterThan) if until else (cst.LessThan, cst.LessThanEqual)
     if not isinstance(op, wanted) or not _plain(facts, limit):
         return None
-    steps = [i for i, s in enumerate(body) if _counts(s, counter)]
-    if len(steps) != 1 or len(stores(facts, loop.body, counter)) != 1:
-        return None
-    if until and not at_top and steps[0] == len(body) - 1 or until and at_top and steps[0] == 0:
+    if sum(_counts(s, counter) for s in body) != 1 or len(stores(facts, loop.body, counter)) != 1:
         return None
     assigned = assigned_names(facts, loop.body)
     ending = body[-1] if until and not at_top else body[0] if until else None
@@ -123,7 +120,7 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
             if not settings:
                 return None
             guards.append(settings[0])
-    if _leaves(loop, allowed={ending, *(s for s in body if _breaks_on(s) is not None)}):
+    if _ends_early(loop, frozenset({ending, *(s for s in body if _breaks_on(s) is not None)}), continues=True):
         return None
     reads = _names(facts, limit) | (_names(facts, cond) if cond is not None else set())
     if reads & assigned or _declared_global(facts, counter):
@@ -143,15 +140,13 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
 
 
 def _breaks_on(statement: cst.BaseStatement) -> cst.BaseExpression | None:
-    """``X`` of ``if X: break`` (no elif or else), else None."""
+    """``X`` of ``if X: break`` (no elif or else, the break alone in its body), else None."""
     if not isinstance(statement, cst.If) or statement.orelse is not None:
         return None
-    inner = statement.body.body if isinstance(statement.body, cst.IndentedBlock) else ()
-    if len(inner) != 1 or not isinstance(inner[0], cst.SimpleStatementLine) or len(inner[0].body) != 1:
-        if isinstance(statement.body, cst.SimpleStatementSuite) and len(statement.body.body) == 1:
-            return statement.test if isinstance(statement.body.body[0], cst.Break) else None
-        return None
-    return statement.test if isinstance(inner[0].body[0], cst.Break) else None
+    body = statement.body
+    if isinstance(body, cst.IndentedBlock):  # ``break`` on a line of its own
+        body = body.body[0] if len(body.body) == 1 and isinstance(body.body[0], cst.SimpleStatementLine) else None
+    return statement.test if body is not None and len(body.body) == 1 and isinstance(body.body[0], cst.Break) else None
 
 
 def _counts(statement: cst.BaseStatement, counter: str) -> bool:
@@ -188,21 +183,6 @@ def _plain_condition(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
     return False
 
 
-def _leaves(loop: cst.While, allowed: set[cst.BaseStatement | None]) -> bool:
-    """Whether ``loop``'s body may leave an iteration other than through the ``if ...: break`` statements
-    ``allowed``: a break or continue of its own, or a return."""
-    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body if s not in allowed]
-    while stack:
-        node, own = stack.pop()
-        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-            continue
-        if isinstance(node, cst.Return) or (own and isinstance(node, (cst.Break, cst.Continue))):
-            return True
-        inner = own and not isinstance(node, (cst.For, cst.While))
-        stack.extend((child, inner) for child in node.children)
-    return False
-
-
 def _declared_global(facts: ModuleFacts, name: str) -> bool:
     """Whether some function of the module declares ``name`` global or nonlocal (a call could change it)."""
     return any(n.name.value == name for kind in (cst.Global, cst.Nonlocal)
@@ -235,14 +215,17 @@ def _plain(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
     return False
 
 
-def _ends_early(loop: cst.For) -> bool:
-    """Whether ``loop``'s own body may leave it before its iterable ends: a ``break`` of its own or a ``return``."""
-    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body]
+def _ends_early(loop: cst.For | cst.While, allowed: frozenset[cst.BaseStatement | None] = frozenset(),
+                continues: bool = False) -> bool:
+    """Whether ``loop``'s own body may leave it before its iterable ends: a ``break`` of its own or a ``return``
+    (outside the statements ``allowed``; with ``continues``, a ``continue`` of its own too: it skips a count)."""
+    exits = (cst.Break, cst.Continue) if continues else cst.Break
+    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body if s not in allowed]
     while stack:
         node, own = stack.pop()
         if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             continue
-        if isinstance(node, cst.Return) or (own and isinstance(node, cst.Break)):
+        if isinstance(node, cst.Return) or (own and isinstance(node, exits)):
             return True
         inner = own and not isinstance(node, (cst.For, cst.While))
         stack.extend((child, inner) for child in node.children)
