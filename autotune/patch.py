@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import itertools
 import sys
 import traceback
 from collections.abc import Iterable, Mapping
@@ -627,7 +626,7 @@ def _apply(facts: ModuleFacts, edits: Edits) -> cst.Module:
         if isinstance(body[after - 1], (cst.FunctionDef, cst.ClassDef)) and after < len(body):
             # two blank lines below a definition, as above it (PEP 8)
             lead = list(body[after].leading_lines)
-            blank = len(lead) - len(list(itertools.dropwhile(lambda line: line.comment is None, lead)))
+            blank = next((i for i, line in enumerate(lead) if line.comment is not None), len(lead))  # above a comment
             body[after] = body[after].with_changes(leading_lines=[cst.EmptyLine()] * max(0, 2 - blank) + lead)
     top: list[cst.BaseStatement] = []
     if edits.uses_runtime and not facts.has_runtime_import():

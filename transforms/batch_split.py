@@ -701,7 +701,7 @@ def _logging_if(facts: ModuleFacts, name: cst.Name, loop: cst.CSTNode) -> cst.If
     """The ``if`` that holds ``name`` (in its test or its body) and only reports (``if i % log_every == 0:
     print(i, ...)``); None where ``name`` is read anywhere else or the body does more than report."""
     test_of = next((a for a in facts.ancestors(name) if isinstance(a, cst.If) or a is loop), None)
-    if not isinstance(test_of, cst.If) or test_of.orelse is not None or not facts.contains(loop, test_of):
+    if not isinstance(test_of, cst.If) or test_of.orelse is not None:  # (the nearest if, inside the loop)
         return None
     if isinstance(test_of.body, cst.SimpleStatementSuite):  # ``if i % 10 == 0: print(...)`` on one line
         smalls = list(test_of.body.body)
