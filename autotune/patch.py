@@ -326,10 +326,10 @@ def _step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
         if loop.module is facts and not any(facts.is_runtime_call(c, "loop_length") for c in facts.calls):
             name = facts.path.relative_to(project.root).as_posix()
             group = f"{name}:{facts.position(loop.node)[0]}"
-            for node, code, text, of in run_length.markers(facts, loop, name):
-                line = run_length.length_marker(edits.runtime("loop_length"), code, text, group, of,
-                                                counted and node is loop.node)
-                edits.insert_first_before(node, stmt(line))
+            for marker in reversed(run_length.markers(facts, loop, name)):  # each first before its loop: reversed
+                line = run_length.length_marker(edits.runtime("loop_length"), marker, group,
+                                                counted and marker.node is loop.node)
+                edits.insert_first_before(marker.node, stmt(line))
 
 
 def _framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:

@@ -10,6 +10,8 @@ not be the run's length (a while loop, a loop that may break off early, an itera
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
@@ -22,36 +24,113 @@ _WRAPPERS = {"enumerate", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.
 _PURE_CALLS = {"int", "len", "min", "max", "round", "math.ceil", "math.floor"}
 
 
-def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[tuple[cst.For | cst.While, str | None, str, int]]:
-    """(loop, the iterable's code or None, its text or why not, how many) for each marker before a loop of
-    ``loop``'s run, outermost first; one (loop, None, why, 0) where the run's length cannot be read. ``name``: the
+def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[Marker]:
+    """The markers before the loops of ``loop``'s run, outermost first (a bound that ends them all early before
+    them); one (loop, None, why, 0) where the run's length cannot be read. ``name``: the
     file as the user reads it (relative to the project, so the patched code is the same wherever it lies)."""
     chain = [node for node in facts.loops
              if facts.contains(node, loop.node) and facts.function_of(node) is facts.function_of(loop.node)]
     callers = [node for f, node in loop.callers]
     if any(f is not facts for f, _ in loop.callers):
-        return [(loop.outer, None, "the loop over batches is in a function another module's loop calls", 0)]
+        return [Marker(loop.outer, None, "the loop over batches is in a function another module's loop calls", 0)]
     if callers and not all(facts.contains(a, b) or facts.contains(b, a) for a in callers for b in callers):
-        return [(loop.outer, None, "the training function is called from more than one loop", 0)]
+        return [Marker(loop.outer, None, "the training function is called from more than one loop", 0)]
     chain = sorted(callers, key=lambda n: facts.position(n)) + sorted(chain, key=lambda n: facts.position(n))
+    cap = None if callers or any(isinstance(node, cst.While) for node in chain) else _cap(facts, chain)
     out = []
     for node in chain:
         where = f"{name}:{facts.position(node)[0]}"
         if isinstance(node, cst.While):
             counted = _while_count(facts, node) if node is chain[0] else None  # counted once, from its start
             if counted is None:
-                return [(chain[0], None, f"the loop at {where} is a while loop that does not end on a counter's "
+                return [Marker(chain[0], None, f"the loop at {where} is a while loop that does not end on a counter's "
                          "bound (`while step < n` or `if step >= n: break`): its length is known only as it ends", 0)]
             out.append((node, *counted))
             continue
-        if _ends_early(node):
-            return [(chain[0], None, f"the loop at {where} may end before its iterable does (break or return)", 0)]
+        if _ends_early(node, cap.breaks if cap is not None else frozenset()):
+            return [Marker(chain[0], None, f"the loop at {where} may end before its iterable does (break or return)", 0)]
         read = _iterable(facts, node.iter)
         if read is None:
             code = facts.code(node.iter)
-            return [(chain[0], None, f"the loop at {where} iterates over {code[:60]}, whose length is not read", 0)]
+            return [Marker(chain[0], None, f"the loop at {where} iterates over {code[:60]}, whose length is not read", 0)]
         out.append((node, *read))
-    return [(node, code, text, len(out)) for node, code, text in out]
+    found = [Marker(node, code, text, len(out)) for node, code, text in out]
+    return found if cap is None else [Marker(chain[0], cap.code, cap.text, len(out), cap=True), *found]
+
+
+class Marker(NamedTuple):
+    """One ``loop_length`` call before ``node``: ``code`` (what len() is taken of, or None: the length is not
+    known), ``text`` (how the user reads it, or why not), ``of`` (how many loops the run has); ``cap``: not a loop
+    but the counter's bound that ends every loop of the run early (``if step >= max_steps: break``)."""
+    node: cst.For | cst.While
+    code: str | None
+    text: str
+    of: int
+    cap: bool = False
+
+
+class _Cap(NamedTuple):
+    code: str
+    text: str
+    breaks: frozenset[cst.BaseStatement]
+
+
+def _cap(facts: ModuleFacts, chain: list[cst.For | cst.While]) -> _Cap | None:
+    """The bound that ends all the loops of a run of for loops (a training script's ``--max-iters``): the innermost
+    loop counts (``step += 1``, once, at its top level) and breaks on ``[cond and] step >= n`` at its top level, and
+    every loop around it breaks on the same test at its own, so no step runs once the count is reached. ``step`` is
+    bound nowhere else in the outermost loop, ``n`` and ``cond`` nowhere in it; no ``continue`` skips the count.
+    None for anything else (a break in the inner loop only runs one more step each epoch after it)."""
+    inner, outer = chain[-1], chain[0]
+    if not all(isinstance(node.body, cst.IndentedBlock) for node in chain):
+        return None
+    body = list(inner.body.body)
+    found = [(i, parsed) for i, s in enumerate(body) if (parsed := _bound(facts, _breaks_on(s))) is not None]
+    if len(found) != 1:
+        return None
+    at, (conditions, compare) = found[0]
+    test = facts.code(_breaks_on(body[at]))
+    counter = compare.left.value
+    counts = [i for i, s in enumerate(body) if _counts(s, counter)]
+    if len(counts) != 1 or len(stores(facts, outer.body, counter)) != 1 or _declared_global(facts, counter):
+        return None
+    breaks = {body[at]}
+    for node in chain[:-1]:
+        same = [s for s in node.body.body if _breaks_on(s) is not None and facts.code(_breaks_on(s)) == test]
+        if len(same) != 1:
+            return None
+        breaks.add(same[0])
+    reads = _names(facts, compare.comparisons[0].comparator).union(*(_names(facts, c) for c in conditions))
+    if reads & assigned_names(facts, outer.body) or _ends_early(inner, frozenset(breaks), continues=True):
+        return None
+    code = _count_code(facts, compare, counter, after=at > counts[0])
+    if conditions:  # where they do not hold the breaks never run: no bound
+        code = f"{code} if {' and '.join(facts.code(c) for c in conditions)} else None"
+    return _Cap(code, f"until {facts.code(compare)}", frozenset(breaks))
+
+
+def _bound(facts: ModuleFacts, test: cst.BaseExpression | None) -> tuple[list[cst.BaseExpression], cst.Comparison] | None:
+    """(the plain conditions, the comparison) of ``[cond and ...] step >= n`` (or ``>``): a counter's name against
+    plain values, after plain conditions of the run's settings; else None."""
+    if test is None:
+        return None
+    *conditions, compare = _conjuncts(test)
+    if not isinstance(compare, cst.Comparison) or len(compare.comparisons) != 1 or not isinstance(compare.left, cst.Name):
+        return None
+    op, limit = compare.comparisons[0].operator, compare.comparisons[0].comparator
+    if not isinstance(op, (cst.GreaterThanEqual, cst.GreaterThan)) or not _plain(facts, limit):
+        return None
+    return (conditions, compare) if all(_plain_condition(facts, c) for c in conditions) else None
+
+
+def _count_code(facts: ModuleFacts, compare: cst.Comparison, counter: str, after: bool) -> str:
+    """The range of counter values a loop runs for, from the counter's value as it starts, until ``compare``
+    (``counter >= n``, ``counter > n``, ``counter < n`` or ``<=``); ``after``: checked after the count, so at least
+    one iteration runs."""
+    op = compare.comparisons[0].operator
+    bound = facts.code(compare.comparisons[0].comparator)
+    end = f"{bound} + 1" if isinstance(op, (cst.GreaterThan, cst.LessThanEqual)) else bound
+    return f"range({counter}, max({end}, {counter} + 1))" if after else f"range({counter}, {end})"
 
 
 def _iterable(facts: ModuleFacts, it: cst.BaseExpression) -> tuple[str, str] | None:
@@ -86,26 +165,20 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
     if not isinstance(loop.body, cst.IndentedBlock) or loop.orelse is not None:
         return None
     body = list(loop.body.body)
+    conditions: list[cst.BaseExpression] = []
     if isinstance(loop.test, cst.Comparison):
         compare, until, at_top = loop.test, False, False
-    elif is_literal(loop.test, True) and body and _breaks_on(body[-1]) is not None:
-        compare, until, at_top = _breaks_on(body[-1]), True, False
-    elif is_literal(loop.test, True) and body and _breaks_on(body[0]) is not None:
-        compare, until, at_top = _breaks_on(body[0]), True, True
+        comparison = compare.comparisons[0] if len(compare.comparisons) == 1 else None
+        if (comparison is None or not isinstance(compare.left, cst.Name) or not _plain(facts, comparison.comparator)
+                or not isinstance(comparison.operator, (cst.LessThan, cst.LessThanEqual))):
+            return None
+    elif is_literal(loop.test, True) and body and (parsed := _bound(facts, _breaks_on(body[-1]))) is not None:
+        (conditions, compare), until, at_top = parsed, True, False
+    elif is_literal(loop.test, True) and body and (parsed := _bound(facts, _breaks_on(body[0]))) is not None:
+        (conditions, compare), until, at_top = parsed, True, True
     else:
         return None
-    cond = None
-    if isinstance(compare, cst.BooleanOperation):  # ``cond and step >= n``: a plain condition read at the start
-        cond, compare = compare.left, compare.right
-        if not isinstance(compare, cst.Comparison) or not _plain_condition(facts, cond):
-            return None
-    if len(compare.comparisons) != 1 or not isinstance(compare.left, cst.Name):
-        return None
-    op, limit = compare.comparisons[0].operator, compare.comparisons[0].comparator
     counter = compare.left.value
-    wanted = (cst.GreaterThanEqual, cst.GreaterThan) if until else (cst.LessThan, cst.LessThanEqual)
-    if not isinstance(op, wanted) or not _plain(facts, limit):
-        return None
     if sum(_counts(s, counter) for s in body) != 1 or len(stores(facts, loop.body, counter)) != 1:
         return None
     assigned = assigned_names(facts, loop.body)
@@ -122,17 +195,11 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
             guards.append(settings[0])
     if _ends_early(loop, frozenset({ending, *(s for s in body if _breaks_on(s) is not None)}), continues=True):
         return None
-    reads = _names(facts, limit) | (_names(facts, cond) if cond is not None else set())
+    reads = _names(facts, compare.comparisons[0].comparator).union(*(_names(facts, c) for c in conditions))
     if reads & assigned or _declared_global(facts, counter):
         return None
-    bound = facts.code(limit)
-    inclusive = isinstance(op, (cst.GreaterThan, cst.LessThanEqual))
-    end = f"{bound} + 1" if inclusive else bound
-    if until and not at_top:  # the check follows the count: at least one iteration runs
-        code = f"range({counter}, max({end}, {counter} + 1))"
-    else:
-        code = f"range({counter}, {end})"
-    conditions = ([facts.code(cond)] if cond is not None else []) + [
+    code = _count_code(facts, compare, counter, after=until and not at_top)
+    conditions = [facts.code(c) for c in conditions] + [
         f"not {facts.code(g)}" if _plain_reference(g) else f"not ({facts.code(g)})" for g in guards]
     if conditions:  # not a bound where they do not hold: no length
         code = f"{code} if {' and '.join(conditions)} else None"
@@ -232,8 +299,9 @@ def _ends_early(loop: cst.For | cst.While, allowed: frozenset[cst.BaseStatement 
     return False
 
 
-def length_marker(runtime: str, code: str | None, text: str, group: str, of: int, counted: bool) -> str:
+def length_marker(runtime: str, marker: Marker, group: str, counted: bool) -> str:
     """The statement that tells a trial one loop's length (or, with ``code`` None, why the run's is unknown)."""
-    length = f"lambda: {code}" if code is not None else "None"
-    return f"{runtime}({length}, {text!r}, {group!r}, {of}{', counted=True' if counted else ''})\n"
+    length = f"lambda: {marker.code}" if marker.code is not None else "None"
+    keywords = (", counted=True" if counted else "") + (", cap=True" if marker.cap else "")
+    return f"{runtime}({length}, {marker.text!r}, {group!r}, {marker.of}{keywords})\n"
 

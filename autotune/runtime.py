@@ -125,6 +125,7 @@ class _Trial:
         # each group has, iterations of the innermost loop per optimizer step, or the framework's own count
         self.loops: dict[str, dict[str, int | None]] = {}
         self.loops_of: dict[str, int] = {}
+        self.caps: dict[str, tuple[str, int | None]] = {}  # group: (text, the bound's count or None where none holds)
         self.per_step: list[int] = []
         self.counted = False  # the innermost loop steps every few iterations (accumulation): per_step counts them
         self.length: tuple[int | None, str] | None = None  # (optimizer steps, where from) once known or refused
@@ -224,6 +225,9 @@ class _Trial:
                 steps *= n
             parts = [f"{text} {n}" for text, n in outer] + [f"{inner_text} {inner}"]
             how = " x ".join(parts) + (f", {micro} iterations a step" if micro > 1 else "")
+            cap_text, cap = self.caps.get(group, ("", None))
+            if cap is not None and -(-cap // micro) < steps:  # the count's bound ends the loops first
+                steps, how = -(-cap // micro), f"{cap} iterations {cap_text} (of {how})"
             return steps, f"{how}, read as the loops started"
         return None, "no loop around the step said its length"
 
@@ -599,15 +603,27 @@ def _accelerate_accumulation() -> tuple[int, bool] | None:
     return (count, bool(gradient_state.sync_gradients)) if isinstance(count, int) and count > 1 else None
 
 
-def loop_length(length: Callable[[], Any] | None, text: str, group: str, of: int, counted: bool = False) -> None:
+def loop_length(length: Callable[[], Any] | None, text: str, group: str, of: int, counted: bool = False,
+                cap: bool = False) -> None:
     """Called by patched scripts just before each loop around a training step starts: ``length()`` gives what the
     loop iterates over (``range(epochs)``, the DataLoader), whose len() the trial records the first time; ``of``: how
     many loops ``group`` has; ``counted``: this innermost loop steps every few iterations. ``length`` None: the run's
-    length cannot be read, ``text`` says why. Does nothing outside a trial (``length`` is never called there)."""
+    length cannot be read, ``text`` says why. ``cap``: ``length()`` is the range of counts until a bound that breaks
+    every loop of the group (None where the bound's condition is off). Does nothing outside a trial (``length`` is
+    never called there)."""
     if _trial is None or _trial.length is not None or text in _trial.loops.get(group, {}):
+        return
+    if cap and group in _trial.caps:
         return
     if length is None:
         _trial.length = (None, text)
+        return
+    if cap:
+        try:
+            bound = length()
+            _trial.caps[group] = (text, None if bound is None else len(bound))
+        except Exception:  # (a name the bound reads not bound as the loops start)
+            _trial.length = (None, f"{text}: not read as the loops started")
         return
     try:
         n = len(length())

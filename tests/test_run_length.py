@@ -140,6 +140,45 @@ for epoch in range(epochs):
             break
 '''
 
+# the bound that ends every loop (the bundled CNN's ``--max-iters``, 0 for none): a cap on the loops' product
+CAPPED = HEAD + '''
+max_iters = 20
+step = 0
+for epoch in range(epochs):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        if max_iters and step >= max_iters:
+            break
+    print("epoch", epoch, "done")
+    if max_iters and step >= max_iters:
+        break
+'''
+# the check before the count, in a function: the bound is the count itself, no step past it
+CAPPED_FIRST = HEAD + '''
+def train(max_steps):
+    done = 0
+    for epoch in range(epochs):
+        if done > max_steps:
+            break
+        for x, y in loader:
+            if done > max_steps:
+                break
+            done += 1
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+train(14)
+'''
+# a continue that skips the count, a counter reset each epoch: not a bound
+CAPPED_SKIP = CAPPED.replace("        opt.zero_grad()\n", "        if loss.item() > 1e6:\n            continue\n        opt.zero_grad()\n")
+CAPPED_RESET = CAPPED.replace("    for x, y in loader:\n", "    step = 0\n    for x, y in loader:\n", 1)
+
 GENERATED = HEAD + '''
 def batches():
     yield from loader
@@ -188,8 +227,10 @@ def test_each_loop_around_the_step_tells_its_length_before_it_starts(body, expec
     (RESET_WHILE, WHILE_WHY.format(15)),
     (EXIT_WHILE, WHILE_WHY.format(15)),
     (BREAKS, "the loop at train.py:15 may end before its iterable does (break or return)"),
+    (CAPPED_SKIP, "the loop at train.py:14 may end before its iterable does (break or return)"),
+    (CAPPED_RESET, "the loop at train.py:14 may end before its iterable does (break or return)"),
     (GENERATED, "the loop at train.py:15 iterates over batches(), whose length is not read"),
-], ids=["while", "while-reset", "while-exit", "break", "generator"])
+], ids=["while", "while-reset", "while-exit", "break", "capped-skip", "capped-reset", "generator"])
 def test_where_the_runs_length_cannot_be_read_the_patch_says_why(body, why, tmp_path):
     markers = _markers(_patched(tmp_path, body))
     assert len(markers) == 1 and markers[0].startswith("_autotune.loop_length(None, ") and repr(why) in markers[0]
@@ -201,6 +242,16 @@ def test_a_counted_while_loop_tells_its_length_where_the_settings_that_end_it_ea
     assert _markers(_patched(tmp_path, NANOGPT_WHILE)) == [
         "_autotune.loop_length(lambda: range(iter_num, max(max_iters + 1, iter_num + 1)) if not eval_only else None, "
         "'iterations until iter_num > max_iters', 'train.py:14', 1)"]
+
+
+def test_a_bound_that_breaks_every_loop_caps_the_product_of_their_lengths(tmp_path):
+    """``if max_iters and step >= max_iters: break`` in the loop over batches and again in the epoch loop: a marker
+    before the loops gives the counts left until the bound (None where ``max_iters`` is 0: no bound)."""
+    assert _markers(_patched(tmp_path, CAPPED)) == [
+        "_autotune.loop_length(lambda: range(step, max(max_iters, step + 1)) if max_iters else None, "
+        "'until step >= max_iters', 'train.py:15', 2, cap=True)",
+        "_autotune.loop_length(lambda: range(epochs), 'range(epochs)', 'train.py:15', 2)",
+        "_autotune.loop_length(lambda: loader, 'len(loader)', 'train.py:15', 2)"]
 
 
 def _trial(tmp_path: Path, body: str):
@@ -220,7 +271,12 @@ def _trial(tmp_path: Path, body: str):
     (UNTIL.replace("max_steps = 20", "max_steps = -1"), None, "iterations until step >= max_steps has no length"),
     (NANOGPT_WHILE, 11, "iterations until iter_num > max_iters 11, read as the loops started"),
     (COUNTED_WHILE, 15, "iterations while step < max_steps 15, read as the loops started"),
-], ids=["nested", "accumulated", "trainer", "while", "until", "until-unbounded", "nanogpt", "while-counted"])
+    (CAPPED, 20, "20 iterations until step >= max_iters (of range(epochs) 3 x len(loader) 12), read as the loops started"),
+    (CAPPED.replace("max_iters = 20", "max_iters = 0"), 36, "range(epochs) 3 x len(loader) 12, read as the loops started"),
+    (CAPPED.replace("max_iters = 20", "max_iters = 50"), 36, "range(epochs) 3 x len(loader) 12, read as the loops started"),
+    (CAPPED_FIRST, 15, "15 iterations until done > max_steps (of range(epochs) 3 x len(loader) 12), read as the loops started"),
+], ids=["nested", "accumulated", "trainer", "while", "until", "until-unbounded", "nanogpt", "while-counted",
+        "capped", "capped-off", "capped-past", "capped-first"])
 def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, said, tmp_path):
     result = _trial(tmp_path, body)
     assert result.status is Outcome.OK, result.stderr_tail
