@@ -9,6 +9,7 @@ fake clock.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -622,6 +623,25 @@ def test_on_a_noisy_machine_a_simpler_configuration_one_run_found_faster_must_wi
     quiet = World(gpt_speed, gpt_ok, threshold=0.02)
     drive(StrongStart(SPACE, START, EXPENSIVE), quiet)
     assert not quiet.duels
+
+
+def _behind(c):
+    """A start far behind the baseline (a DataLoader worker started again each short epoch): every configuration
+    that keeps the worker runs at 0.45x whatever else it sets; the worker's removal runs 1.3x."""
+    return 0.45 if c["fused_optimizer.impl"] != "default" else 1.3 if c["compile.mode"] == "none" else 0.9
+
+
+def test_ties_behind_the_baseline_go_to_the_simpler_configuration_without_pairs():
+    world = World(_behind, lambda c: (True, None), threshold=0.3)
+    plan = drive(StrongStart(SPACE, START, EXPENSIVE), world)
+    dueled = [json.loads(key) for pair in world.duels for key in pair]
+    assert all(_behind(c) > 1.0 for c in dueled)  # no pairs for ties that could not win
+    assert plan.incumbent["fused_optimizer.impl"] == "default" and plan.incumbent["compile.mode"] == "none"
+    assert any("both behind the baseline: the simpler one goes on without pairs" in s.text for s in plan.path)
+    # the same ties ahead of the baseline are still re-measured in pairs
+    ahead = World(lambda c: _behind(c) * 3, lambda c: (True, None), threshold=0.3)
+    drive(StrongStart(SPACE, START, EXPENSIVE), ahead)
+    assert any(_behind(json.loads(key)) < 1.0 for pair in ahead.duels for key in pair)
 
 
 class NoisyRunner(FakeRunner):

@@ -544,6 +544,14 @@ class StrongStart:
             if fewer and ratio >= 1.0 - TIE_FLOOR and margin <= QUIET:
                 simpler.append((a, None))
                 continue
+            # a tie between two configurations both slower than the baseline beyond the noise does not decide what
+            # wins: the simpler one goes on, without pairs (the README's CNN spent 12 of its 37 runs in 180 s on
+            # ties at 0.45x and 0.92x, and never reached the DataLoader worker that made them slow)
+            if max(got.speedup, base.speedup) * (1.0 + margin) < 1.0 and ratio >= 1.0 - margin:
+                if fewer:
+                    simpler.append((a, f"as fast within the noise ({_ratio(got.speedup, base.speedup)}) and both "
+                                       "behind the baseline: the simpler one goes on without pairs"))
+                continue
             if (fewer and ratio < 1.0 - margin) or (not fewer and ratio <= 1.0 + TIE_FLOOR):
                 continue
             complex_, simple = (incumbent, a) if fewer else (a, incumbent)
