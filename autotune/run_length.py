@@ -22,6 +22,8 @@ from autotune.syntax import assigned_names, is_literal, stores
 _WRAPPERS = {"enumerate", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm"}
 # what the arguments of range() may hold: nothing a call to it could change by being made once more
 _PURE_CALLS = {"int", "len", "min", "max", "round", "math.ceil", "math.floor"}
+# methods of a tensor (or array) that read its size: ``train_data.size(0) - 1`` (word_language_model)
+_SIZES = {"size", "numel", "dim"}
 
 
 def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[Marker]:
@@ -37,6 +39,7 @@ def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[Marker]:
         return [Marker(loop.outer, None, "the training function is called from more than one loop", 0)]
     chain = sorted(callers, key=lambda n: facts.position(n)) + sorted(chain, key=lambda n: facts.position(n))
     cap = None if callers or any(isinstance(node, cst.While) for node in chain) else _cap(facts, chain)
+    assigned = set().union(*(assigned_names(facts, node) for node in chain))  # (a for loop's target too)
     out = []
     for node in chain:
         where = f"{name}:{facts.position(node)[0]}"
@@ -47,13 +50,17 @@ def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[Marker]:
                          "bound (`while step < n` or `if step >= n: break`): its length is known only as it ends", 0)]
             out.append((node, *counted))
             continue
-        if _ends_early(node, cap.breaks if cap is not None else frozenset()):
-            return [Marker(chain[0], None, f"the loop at {where} may end before its iterable does (break or return)", 0)]
+        capped = cap.breaks if cap is not None else frozenset()
+        guards = _guards(facts, node, capped, assigned) if isinstance(node.body, cst.IndentedBlock) else None
+        if guards is None or _ends_early(node, capped | set(guards)):
+            why = f"the loop at {where} may end before its iterable does (break or return)"
+            return [Marker(chain[0], None, why, 0)]
         read = _iterable(facts, node.iter)
         if read is None:
             code = facts.code(node.iter)
-            return [Marker(chain[0], None, f"the loop at {where} iterates over {code[:60]}, whose length is not read", 0)]
-        out.append((node, *read))
+            return [Marker(chain[0], None, f"the loop at {where} iterates over {code[:60]}, whose length is not read",
+                           0)]
+        out.append((node, _guarded(facts, read[0], [], list(guards.values())), read[1]))
     found = [Marker(node, code, text, len(out)) for node, code, text in out]
     return found if cap is None else [Marker(chain[0], cap.code, cap.text, len(out), cap=True), *found]
 
@@ -101,7 +108,10 @@ def _cap(facts: ModuleFacts, chain: list[cst.For | cst.While]) -> _Cap | None:
             return None
         breaks.add(same[0])
     reads = _names(facts, compare.comparisons[0].comparator).union(*(_names(facts, c) for c in conditions))
-    if reads & assigned_names(facts, outer.body) or _ends_early(inner, frozenset(breaks), continues=True):
+    # (a setting's way out, as word_language_model's dry run)
+    guards = _guards(facts, inner, frozenset(breaks), set().union(*(assigned_names(facts, n) for n in chain)))
+    if guards is None or reads & assigned_names(facts, outer.body) or _ends_early(
+            inner, frozenset(breaks | set(guards)), continues=True):
         return None
     code = _count_code(facts, compare, counter, after=at > counts[0])
     if conditions:  # where they do not hold the breaks never run: no bound
@@ -109,13 +119,15 @@ def _cap(facts: ModuleFacts, chain: list[cst.For | cst.While]) -> _Cap | None:
     return _Cap(code, f"until {facts.code(compare)}", frozenset(breaks))
 
 
-def _bound(facts: ModuleFacts, test: cst.BaseExpression | None) -> tuple[list[cst.BaseExpression], cst.Comparison] | None:
+def _bound(facts: ModuleFacts,
+           test: cst.BaseExpression | None) -> tuple[list[cst.BaseExpression], cst.Comparison] | None:
     """(the plain conditions, the comparison) of ``[cond and ...] step >= n`` (or ``>``): a counter's name against
     plain values, after plain conditions of the run's settings; else None."""
     if test is None:
         return None
     *conditions, compare = _conjuncts(test)
-    if not isinstance(compare, cst.Comparison) or len(compare.comparisons) != 1 or not isinstance(compare.left, cst.Name):
+    if (not isinstance(compare, cst.Comparison) or len(compare.comparisons) != 1
+            or not isinstance(compare.left, cst.Name)):
         return None
     op, limit = compare.comparisons[0].operator, compare.comparisons[0].comparator
     if not isinstance(op, (cst.GreaterThanEqual, cst.GreaterThan)) or not _plain(facts, limit):
@@ -185,25 +197,50 @@ def _while_count(facts: ModuleFacts, loop: cst.While) -> tuple[str, str] | None:
     ending = body[-1] if until and not at_top else body[0] if until else None
     # other ways out that a setting of the run closes (nanoGPT: ``if iter_num == 0 and eval_only: break``): counted
     # where the setting, read as the loop starts, is off
-    guards = []
-    for statement in body:
-        test = _breaks_on(statement) if statement is not ending else None
-        if test is not None:
-            settings = [c for c in _conjuncts(test) if _plain_condition(facts, c) and not _names(facts, c) & assigned]
-            if not settings:
-                return None
-            guards.append(settings[0])
-    if _ends_early(loop, frozenset({ending, *(s for s in body if _breaks_on(s) is not None)}), continues=True):
+    guards = _guards(facts, loop, frozenset({ending}), assigned)
+    if guards is None or _ends_early(loop, frozenset({ending, *guards}), continues=True):
         return None
     reads = _names(facts, compare.comparisons[0].comparator).union(*(_names(facts, c) for c in conditions))
     if reads & assigned or _declared_global(facts, counter):
         return None
-    code = _count_code(facts, compare, counter, after=until and not at_top)
-    conditions = [facts.code(c) for c in conditions] + [
-        f"not {facts.code(g)}" if _plain_reference(g) else f"not ({facts.code(g)})" for g in guards]
-    if conditions:  # not a bound where they do not hold: no length
-        code = f"{code} if {' and '.join(conditions)} else None"
+    code = _guarded(facts, _count_code(facts, compare, counter, after=until and not at_top), conditions,
+                    list(guards.values()))
     return code, f"iterations until {facts.code(compare)}" if until else f"iterations while {facts.code(compare)}"
+
+
+def _guards(facts: ModuleFacts, loop: cst.For | cst.While, skip: frozenset[cst.BaseStatement | None],
+            assigned: set[str]) -> dict[cst.Break, cst.BaseExpression] | None:
+    """The ``break`` statements of ``loop``'s own (outside the statements ``skip``) that a setting of the run closes,
+    each with the setting: an ``and`` term of an ``if`` around it (in its body, not its else), of plain values the
+    run's loops do not assign (``assigned``: word_language_model's ``if args.dry_run: break``, mnist's inside its
+    logging ``if``, nanoGPT's ``if iter_num == 0 and eval_only: break``). None where a break has no such term."""
+    out = {}
+    stack: list[cst.CSTNode] = [s for s in loop.body.body if s not in skip]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda, cst.For, cst.While)):
+            continue
+        if not isinstance(node, cst.Break):
+            stack.extend(node.children)
+            continue
+        settings, inner = [], node
+        while (up := facts.parent(inner)) is not None and up is not loop:
+            if isinstance(up, cst.If) and inner is up.body:
+                settings += [c for c in _conjuncts(up.test)
+                             if _plain_condition(facts, c) and not _names(facts, c) & assigned]
+            inner = up
+        if not settings:
+            return None
+        out[node] = settings[0]
+    return out
+
+
+def _guarded(facts: ModuleFacts, code: str, conditions: list[cst.BaseExpression],
+             guards: list[cst.BaseExpression]) -> str:
+    """``code`` where ``conditions`` hold and no ``guards`` setting is on, else None (no length)."""
+    terms = [facts.code(c) for c in conditions] + [
+        f"not {facts.code(g)}" if _plain_reference(g) else f"not ({facts.code(g)})" for g in guards]
+    return f"{code} if {' and '.join(terms)} else None" if terms else code
 
 
 def _breaks_on(statement: cst.BaseStatement) -> cst.BaseExpression | None:
@@ -270,27 +307,32 @@ def _plain_reference(node: cst.BaseExpression) -> bool:
 
 
 def _plain(facts: ModuleFacts, node: cst.BaseExpression) -> bool:
-    """Numbers, references and arithmetic on them, and a few calls that only compute (len, int, math.ceil)."""
+    """Numbers, references and arithmetic on them, a few calls that only compute (len, int, math.ceil) and sizes
+    (``data.size(0)``, ``data.shape[0]``)."""
     if isinstance(node, (cst.Integer, cst.Float)) or _plain_reference(node):
         return True
     if isinstance(node, cst.BinaryOperation):
         return _plain(facts, node.left) and _plain(facts, node.right)
     if isinstance(node, cst.UnaryOperation):
         return _plain(facts, node.expression)
-    if isinstance(node, cst.Call) and _name(facts, node.func) in _PURE_CALLS:
+    if isinstance(node, cst.Call) and (_name(facts, node.func) in _PURE_CALLS or (
+            isinstance(node.func, cst.Attribute) and node.func.attr.value in _SIZES and _plain_reference(node.func))):
         return all(_plain(facts, a.value) and not a.star for a in node.args)
+    if isinstance(node, cst.Subscript) and _plain_reference(node.value):  # ``data.shape[0]``
+        return all(isinstance(e.slice, cst.Index) and _plain(facts, e.slice.value) for e in node.slice)
     return False
 
 
-def _ends_early(loop: cst.For | cst.While, allowed: frozenset[cst.BaseStatement | None] = frozenset(),
+def _ends_early(loop: cst.For | cst.While, allowed: frozenset[cst.CSTNode | None] = frozenset(),
                 continues: bool = False) -> bool:
     """Whether ``loop``'s own body may leave it before its iterable ends: a ``break`` of its own or a ``return``
-    (outside the statements ``allowed``; with ``continues``, a ``continue`` of its own too: it skips a count)."""
+    (outside the statements and breaks ``allowed``; with ``continues``, a ``continue`` of its own too: it skips a
+    count)."""
     exits = (cst.Break, cst.Continue) if continues else cst.Break
-    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body if s not in allowed]
+    stack: list[tuple[cst.CSTNode, bool]] = [(s, True) for s in loop.body.body]
     while stack:
         node, own = stack.pop()
-        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)) or node in allowed:
             continue
         if isinstance(node, cst.Return) or (own and isinstance(node, exits)):
             return True

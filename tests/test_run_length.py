@@ -175,8 +175,30 @@ def train(max_steps):
 
 train(14)
 '''
+# word_language_model's shape: a setting's way out (``--dry-run``), a range over the data tensor's size, the epoch
+# loop in the caller
+DRY_RUN = HEAD + '''
+data = torch.randn(40, 5)
+dry_run = False
+
+
+def train():
+    for batch, i in enumerate(range(0, data.size(0) - 1, 4)):
+        x, y = data[i:i + 4, :4], data[i:i + 4, 4:]
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if dry_run:
+            break
+
+
+for epoch in range(1, epochs + 1):
+    train()
+'''
 # a continue that skips the count, a counter reset each epoch: not a bound
-CAPPED_SKIP = CAPPED.replace("        opt.zero_grad()\n", "        if loss.item() > 1e6:\n            continue\n        opt.zero_grad()\n")
+CAPPED_SKIP = CAPPED.replace("        opt.zero_grad()\n",
+                             "        if loss.item() > 1e6:\n            continue\n        opt.zero_grad()\n")
 CAPPED_RESET = CAPPED.replace("    for x, y in loader:\n", "    step = 0\n    for x, y in loader:\n", 1)
 
 GENERATED = HEAD + '''
@@ -227,10 +249,8 @@ def test_each_loop_around_the_step_tells_its_length_before_it_starts(body, expec
     (RESET_WHILE, WHILE_WHY.format(15)),
     (EXIT_WHILE, WHILE_WHY.format(15)),
     (BREAKS, "the loop at train.py:15 may end before its iterable does (break or return)"),
-    (CAPPED_SKIP, "the loop at train.py:14 may end before its iterable does (break or return)"),
-    (CAPPED_RESET, "the loop at train.py:14 may end before its iterable does (break or return)"),
     (GENERATED, "the loop at train.py:15 iterates over batches(), whose length is not read"),
-], ids=["while", "while-reset", "while-exit", "break", "capped-skip", "capped-reset", "generator"])
+], ids=["while", "while-reset", "while-exit", "break", "generator"])
 def test_where_the_runs_length_cannot_be_read_the_patch_says_why(body, why, tmp_path):
     markers = _markers(_patched(tmp_path, body))
     assert len(markers) == 1 and markers[0].startswith("_autotune.loop_length(None, ") and repr(why) in markers[0]
@@ -254,6 +274,36 @@ def test_a_bound_that_breaks_every_loop_caps_the_product_of_their_lengths(tmp_pa
         "_autotune.loop_length(lambda: loader, 'len(loader)', 'train.py:15', 2)"]
 
 
+def test_a_way_out_a_setting_closes_is_counted_where_the_setting_is_off(tmp_path):
+    assert _markers(_patched(tmp_path, DRY_RUN)) == [
+        "_autotune.loop_length(lambda: range(0, data.size(0) - 1, 4) if not dry_run else None, "
+        "'range(0, data.size(0) - 1, 4)', 'train.py:17', 2)",
+        "_autotune.loop_length(lambda: range(1, epochs + 1), 'range(1, epochs + 1)', 'train.py:17', 2)"]
+
+
+def test_a_way_out_inside_an_if_is_counted_where_its_setting_is_off_not_on_a_value_the_run_changes(tmp_path):
+    """mnist's ``if args.dry_run: break`` inside its logging ``if``: the setting, not the epoch (the caller's loop
+    assigns it, so where it is first read says nothing of later epochs)."""
+    body = DRY_RUN.replace("        if dry_run:\n            break\n",
+                           "        if epoch % 2 == 0 and batch % 4 == 0:\n            print(loss.item())\n"
+                           "            if dry_run:\n                break\n")
+    assert _markers(_patched(tmp_path, body))[0].startswith(
+        "_autotune.loop_length(lambda: range(0, data.size(0) - 1, 4) if not dry_run else None, ")
+    unset = body.replace("            if dry_run:\n", "            if loss.item() < 1.0:\n")
+    assert _markers(_patched(tmp_path, unset))[0].startswith("_autotune.loop_length(None, ")
+
+
+@pytest.mark.parametrize("body, line", [(CAPPED_SKIP, 15), (CAPPED_RESET, 16)], ids=["skip", "reset"])
+def test_a_bound_a_continue_or_a_reset_defeats_is_no_cap_the_loops_are_counted_where_it_is_off(body, line, tmp_path):
+    assert _markers(_patched(tmp_path, body)) == [
+        f"_autotune.loop_length(lambda: range(epochs) if not max_iters else None, 'range(epochs)', "
+        f"'train.py:{line}', 2)",
+        f"_autotune.loop_length(lambda: loader if not max_iters else None, 'len(loader)', 'train.py:{line}', 2)"]
+
+
+READ = "read as the loops started"
+
+
 def _trial(tmp_path: Path, body: str):
     script = tmp_path / "code" / "train.py"
     script.parent.mkdir()
@@ -271,12 +321,14 @@ def _trial(tmp_path: Path, body: str):
     (UNTIL.replace("max_steps = 20", "max_steps = -1"), None, "iterations until step >= max_steps has no length"),
     (NANOGPT_WHILE, 11, "iterations until iter_num > max_iters 11, read as the loops started"),
     (COUNTED_WHILE, 15, "iterations while step < max_steps 15, read as the loops started"),
-    (CAPPED, 20, "20 iterations until step >= max_iters (of range(epochs) 3 x len(loader) 12), read as the loops started"),
-    (CAPPED.replace("max_iters = 20", "max_iters = 0"), 36, "range(epochs) 3 x len(loader) 12, read as the loops started"),
-    (CAPPED.replace("max_iters = 20", "max_iters = 50"), 36, "range(epochs) 3 x len(loader) 12, read as the loops started"),
-    (CAPPED_FIRST, 15, "15 iterations until done > max_steps (of range(epochs) 3 x len(loader) 12), read as the loops started"),
+    (CAPPED, 20, "20 iterations until step >= max_iters (of range(epochs) 3 x len(loader) 12), " + READ),
+    (CAPPED.replace("max_iters = 20", "max_iters = 0"), 36, "range(epochs) 3 x len(loader) 12, " + READ),
+    (CAPPED.replace("max_iters = 20", "max_iters = 50"), 36, "range(epochs) 3 x len(loader) 12, " + READ),
+    (CAPPED_FIRST, 15, "15 iterations until done > max_steps (of range(epochs) 3 x len(loader) 12), " + READ),
+    (DRY_RUN, 30, "range(1, epochs + 1) 3 x range(0, data.size(0) - 1, 4) 10, " + READ),
+    (DRY_RUN.replace("dry_run = False", "dry_run = True"), None, "range(0, data.size(0) - 1, 4) has no length"),
 ], ids=["nested", "accumulated", "trainer", "while", "until", "until-unbounded", "nanogpt", "while-counted",
-        "capped", "capped-off", "capped-past", "capped-first"])
+        "capped", "capped-off", "capped-past", "capped-first", "dry-run-off", "dry-run"])
 def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, said, tmp_path):
     result = _trial(tmp_path, body)
     assert result.status is Outcome.OK, result.stderr_tail
