@@ -862,6 +862,20 @@ def test_longer_runs_time_about_a_second_within_their_bounds():
     assert (tiny.warmup, tiny.steps) == (250, 1000)
 
 
+def test_runs_are_lengthened_no_further_than_the_steps_the_script_trains():
+    """The README's CNN trains 32 steps: its first run says so, and the lengthened runs (89 steps) would end short."""
+    from autotune.search.budget import Fit, RunCost, run_lengths
+
+    cost = RunCost(3.0, 0.007)
+    assert run_lengths(cost, 5, 20, True, None, None, 3.0, 0.0).steps == 143  # the length unknown: as before
+    got = run_lengths(cost, 5, 20, True, None, None, 3.0, 0.0, run_steps=100)
+    assert got.warmup + got.steps == 100 and got.steps > 20
+    assert got.note.endswith("; no longer than the 100 steps the script trains")
+    cnn = run_lengths(cost, 5, 20, True, None, None, 3.0, 0.0, run_steps=32)
+    assert cnn.warmup + cnn.steps == 32
+    assert run_lengths(cost, 5, 20, True, None, None, 3.0, 0.0, run_steps=24) == Fit(5, 20)  # 1 step more: not worth it
+
+
 # --- the confirmation's verdict (issue 19.3) -------------------------------------------------------------------
 
 

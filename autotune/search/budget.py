@@ -133,13 +133,18 @@ def longer(cost: RunCost, warmup: int, steps: int) -> Fit | None:
 
 def run_lengths(
     cost: RunCost, warmup: int, steps: int, lengthen: bool, least: Least, left_s: float | None, spent_s: float,
-    budget: float,
+    budget: float, run_steps: int | None = None,
 ) -> Fit:
     """The run lengths after the first baseline run, with what changed and why: ``longer`` ones where ``lengthen``
     and the asked ones time too little (as long as the least search, one more baseline at that length and ROOM
-    candidates fit the ``left_s`` seconds left; not at all where only the asked ones do), else the asked ones fitted
-    to the time left (``fit``); ``left_s`` None: no time budget."""
+    candidates fit the ``left_s`` seconds left; not at all where only the asked ones do; no longer than the
+    ``run_steps`` the script trains, where the first run read them), else the asked ones fitted to the time left
+    (``fit``); ``left_s`` None: no time budget."""
     grown = longer(cost, warmup, steps) if lengthen else None
+    if grown is not None and run_steps is not None and grown.warmup + grown.steps > run_steps:
+        w = max(warmup, grown.warmup * run_steps // (grown.warmup + grown.steps))
+        grown = (Fit(w, run_steps - w, f"{grown.note}; no longer than the {run_steps} steps the script trains")
+                 if run_steps - w > steps else None)
     if grown is not None and left_s is not None:
         try:
             fitted: Fit | None = fit(left_s, spent_s, budget, cost, grown.warmup, grown.steps,

@@ -832,7 +832,7 @@ class Search:
         left = self.costs.time_left() if math.isfinite(self.deadline) else None
         asked = self.lengths
         got = run_lengths(cost, *asked, self.o.lengthen and not self.o.train_steps, self._least(), left,
-                          self.clock() - self.started, self.o.budget or 0.0)
+                          self.clock() - self.started, self.o.budget or 0.0, first.run_steps)
         self._set_lengths((got.warmup, got.steps), got.note)
         if sum(self.lengths) <= sum(asked):
             return False
