@@ -15,7 +15,8 @@ import yaml
 from autotune import runtime
 from autotune.project import load_project
 from autotune.patch import run, select
-from autotune.search.trial import Outcome, TrialResult, merge_ranks, unreached
+from autotune.search.ranks import merge_ranks
+from autotune.search.trial import Outcome, TrialResult, unreached
 from autotune.transform import all_knobs
 
 BRANCHES = Path(__file__).resolve().parent.parent / "fixtures" / "transforms" / "channels_last" / "arch_branches.in.py"

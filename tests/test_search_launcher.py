@@ -26,7 +26,8 @@ from autotune.search import trial as trial_module
 from autotune.search.identity import fingerprint
 from autotune.search.options import SearchOptions
 from autotune.search.space import build_space, read_space
-from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, classify, merge_ranks
+from autotune.search.ranks import merge_ranks
+from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, classify
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

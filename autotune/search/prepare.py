@@ -26,7 +26,7 @@ from autotune.search.space import (
     SearchSpace, SpaceFile, build_space, fit_threads, read_space, restore_space, with_role,
 )
 from autotune.search.strategy import StrongStart
-from autotune.search.trial import parse_launcher
+from autotune.search.ranks import parse_launcher
 
 
 @dataclass(frozen=True)
