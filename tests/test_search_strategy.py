@@ -18,7 +18,8 @@ import yaml
 
 from autotune.knobs import Knob, Numerics
 from autotune.search.space import SearchSpace, config_key
-from autotune.search.strategy import Observation, StrongStart, median_interval, sign_test
+from autotune.search.stats import median_interval, sign_test
+from autotune.search.strategy import Observation, StrongStart
 
 
 def _knob(name, choices, default=None):

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from autotune.errors import UsageError
-from autotune.search.strategy import sign_test
+from autotune.search.stats import sign_test
 
 ALPHA = 0.05  # a candidate is accepted when the sign test of its A/B pairs says faster with p <= this
 # the fewest A/B pairs that can ever confirm: n pairs, all faster, give p = 2**-n, which must be <= ALPHA

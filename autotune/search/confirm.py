@@ -11,7 +11,7 @@ from typing import Any
 from autotune.search.budget import ALPHA
 from autotune.search.outcome import Confirmation
 from autotune.search.ports import Confirming
-from autotune.search.strategy import median_interval, sign_test
+from autotune.search.stats import median_interval, sign_test
 from autotune.search.space import config_key
 from autotune.search.study import ROLE_CONFIRM, claim_key
 from autotune.search.trial import Outcome, TrialResult

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from autotune.search.budget import ALPHA, RUN_MARGIN, run_cost
-from autotune.search.strategy import sign_test
+from autotune.search.stats import sign_test
 from autotune.search.study import ROLE_PERTURBED
 from autotune.search.trial import TrialResult
 from autotune.search.whole import plan as plan_whole, predicted as predicted_whole

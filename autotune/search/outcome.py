@@ -14,7 +14,8 @@ from autotune.patch import PatchResult
 from autotune.search.gate import Noise
 from autotune.search.options import SearchOptions
 from autotune.search.space import SearchSpace
-from autotune.search.strategy import Plan, median_interval, sign_test
+from autotune.search.stats import median_interval, sign_test
+from autotune.search.strategy import Plan
 from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_PERTURBED
 from autotune.search.trial import TrialResult
 
