@@ -4,19 +4,20 @@ gradients over the batches of its DataLoader (``if (i + 1) % accum == 0: optimiz
 from __future__ import annotations
 
 import dataclasses
-import re
-from dataclasses import dataclass
 
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
-from autotune.bound import unbound
 from autotune.knobs import Knob, Numerics, Role
 from autotune.project import TrainingLoop
 from autotune.syntax import (
-    argument, assignments, enclosing_if, is_assigned, is_literal, is_reference, names_variable, scope_of, stmt, walk,
+    argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, walk,
 )
 from autotune.transform import Edits, Status, Transform
+from autotune.transforms._split_reads import (
+    Split, accumulation_of, enumerate_start, enumerated, last_micro_test, length_read, line_of, logging_if, parameters_of,
+    placed_split, position_of, read_elsewhere,
+)
 from autotune.transforms._step import CLIP
 from autotune.transforms.accelerator import ACCELERATORS
 from autotune.transforms.checkpointing import STATEFUL
@@ -35,16 +36,6 @@ DROPOUT_KEYWORD = {
     "torch.nn.TransformerEncoderLayer": 0.1, "torch.nn.TransformerDecoderLayer": 0.1, "torch.nn.Transformer": 0.1,
     "torch.nn.MultiheadAttention": 0.0, "torch.nn.LSTM": 0.0, "torch.nn.GRU": 0.0, "torch.nn.RNN": 0.0,
 }  # fmt: skip
-
-
-
-@dataclass(frozen=True)
-class _Split:
-    micro: str  # how the script spells the micro-batch size: ``args.batch_size``
-    accumulation: str  # and the accumulation steps: ``args.accum``
-    after: cst.BaseStatement  # both are bound (once) by here, and not yet read
-    first: bool = False  # both are parameters of the function: the split goes before ``after``, its first statement
-    note: str = ""  # what else the split changes (when the script logs), for the report
 
 
 class BatchSplit(Transform):
@@ -103,7 +94,7 @@ class BatchSplit(Transform):
                     f"if {found.micro} % {d} == 0:  # autotune: micro-batch /{d}, accumulation x{d}: same samples "
                     f"per step\n    {pair} = {found.micro} // {d}, {found.accumulation} * {d}\n"))
 
-    def _split(self, facts: ModuleFacts, loop: TrainingLoop) -> _Split | tuple[cst.CSTNode, str] | None:
+    def _split(self, facts: ModuleFacts, loop: TrainingLoop) -> Split | tuple[cst.CSTNode, str] | None:
         """The split of ``loop``'s accumulation, or (where, why not), or None where the loop does not accumulate
         over the batches it iterates."""
         node = loop.node
@@ -120,7 +111,7 @@ class BatchSplit(Transform):
         if not conditions:
             return None  # the optimizer steps on every batch: nothing accumulates
         if_ = conditions[0]
-        counter, source = _enumerated(node)
+        counter, source = enumerated(node)
         loader = source.value if isinstance(source, cst.Name) else None
         if counter is None or (loader is None and not _slice_starts(source)):
             return if_, ("the loop is not `for i, batch in enumerate(loader)` nor `for i, start in enumerate(range(0, "
@@ -130,12 +121,12 @@ class BatchSplit(Transform):
         logs: list[cst.If] = []
         for n in facts.nodes_in(node.body, cst.Name):
             if n.value == counter and names_variable(facts, n) and not facts.contains(if_.test, n):
-                log = _logging_if(facts, n, node)
+                log = logging_if(facts, n, node)
                 if log is None:
-                    line = _line(facts, n)
+                    line = line_of(facts, n)
                     return n, f"{counter} counts micro-batches (line {line}): the split changes it"
                 logs.append(log)
-        accumulation = _accumulation(facts, if_.test, counter, _start(node), loader)
+        accumulation = accumulation_of(facts, if_.test, counter, enumerate_start(node), loader)
         if accumulation is None:
             return if_, (f"the optimizer step's condition `{facts.code(if_.test)}` is not `({counter} + 1) % "
                          f"accumulation == 0` (or that, `or {counter} + 1 == len(loader)`)")
@@ -148,15 +139,15 @@ class BatchSplit(Transform):
             if isinstance(sliced[1], str):
                 return sliced
             micro, uppers = sliced
-            read = _read_elsewhere(facts, micro, accumulation, node, losses, allowed=uppers)
+            read = read_elsewhere(facts, micro, accumulation, node, losses, allowed=uppers)
             built = before = facts.statement_of(node)
         else:
             found = _loader_size(facts, node, loader)
             if isinstance(found[1], str):
                 return found
             built, micro = found
-            read = _read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
-                _length_read(facts, loader, code, node, if_.test)
+            read = read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
+                length_read(facts, loader, code, node, if_.test)
             before = facts.statement_of(built)
         if read is not None:
             return read
@@ -167,15 +158,15 @@ class BatchSplit(Transform):
         if changed is not None:
             return node, changed
         when = "the DataLoader is built" if loader is not None else "the slices are taken"
-        placed = _placed(facts, facts.code(micro), code, before, built, when)
-        if logs and isinstance(placed, _Split):
-            lines = ", ".join(str(_line(facts, log)) for log in dict.fromkeys(logs))
+        placed = placed_split(facts, facts.code(micro), code, before, built, when)
+        if logs and isinstance(placed, Split):
+            lines = ", ".join(str(line_of(facts, log)) for log in dict.fromkeys(logs))
             placed = dataclasses.replace(placed, note=(
                 f"; {counter} only decides when to log (line {lines}): it counts micro-batches, so at a split of k "
                 f"the script logs 1/k as often (x2: half as often), the training the same"))
         return placed
 
-    def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> _Split | tuple[cst.CSTNode, str]:
+    def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> Split | tuple[cst.CSTNode, str]:
         """The split of an inner micro-batch loop, ``for micro in range(accum):`` holding the backward and not the
         optimizer step, whose micro-batches come from ``next(iterator)`` of a DataLoader or from a function of the
         script's own that draws ``torch.randint(..., (batch_size,))`` indices (nanoGPT's ``get_batch``)."""
@@ -185,8 +176,8 @@ class BatchSplit(Transform):
             return inner, "the batch split is already a knob"
         counter = inner.target.value if isinstance(inner.target, cst.Name) else None
         for n in facts.nodes_in(inner.body, cst.Name):
-            if n.value == counter and names_variable(facts, n) and not _last_micro_test(facts, n, code):
-                return n, f"{counter} counts micro-batches (line {_line(facts, n)}): the split changes it"
+            if n.value == counter and names_variable(facts, n) and not last_micro_test(facts, n, code):
+                return n, f"{counter} counts micro-batches (line {line_of(facts, n)}): the split changes it"
         if not any(_divides(facts, n, code) for n in walk(inner.body, itself=True)):
             return inner, f"the loss is not divided by {code}: the split would change the gradient's scale"
         source = _micro_source(facts, loop, inner, code)
@@ -197,12 +188,12 @@ class BatchSplit(Transform):
         for call in facts.calls:
             if isinstance(call.func, cst.Name) and call.func.value in ("exec", "globals") and \
                     facts.qualname(call.func) in (call.func.value, f"builtins.{call.func.value}", None):
-                return call, (f"{call.func.value}() at line {_line(facts, call)} may rebind {micro_code} and {code}: "
+                return call, (f"{call.func.value}() at line {line_of(facts, call)} may rebind {micro_code} and {code}: "
                               "their values where the split is made are not known")
         losses = {facts.code(e) for e in scope.loss_exprs()}
-        first = _parameters(facts, [micro_code, code], before)
+        first = parameters_of(facts, [micro_code, code], before)
         within = facts.function_of(before) if first is not None else None  # parameters: read in their function only
-        read = _read_elsewhere(facts, micro, accumulation, inner, losses, products=True, within=within)
+        read = read_elsewhere(facts, micro, accumulation, inner, losses, products=True, within=within)
         if read is not None:
             return read
         counted = self._per_micro_step(facts, inner.body, None)
@@ -211,9 +202,9 @@ class BatchSplit(Transform):
         changed = self._changes_the_math()
         if changed is not None:
             return inner, changed
-        return _placed(facts, micro_code, code, before, inner, "the micro-batches are drawn")
+        return placed_split(facts, micro_code, code, before, inner, "the micro-batches are drawn")
 
-    def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> _Split | tuple[cst.CSTNode, str] | None:
+    def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> Split | tuple[cst.CSTNode, str] | None:
         """``trainer = L.Trainer(accumulate_grad_batches=args.accum)`` trained by ``trainer.fit(...)``, whose training
         DataLoader's batch size is a variable of the script: the DataLoader given to fit, or the one the
         LightningDataModule (or LightningModule) builds in ``train_dataloader`` from ``self.batch_size`` or
@@ -233,17 +224,17 @@ class BatchSplit(Transform):
         if refused is not None:
             return built, refused
         loader = argument(fit, 1, "train_dataloaders")
-        read = _read_elsewhere(facts, micro, accumulation, call, products=True) or (
-            _length_read(facts, loader.value, facts.code(accumulation), fit) if isinstance(loader, cst.Name) else None)
+        read = read_elsewhere(facts, micro, accumulation, call, products=True) or (
+            length_read(facts, loader.value, facts.code(accumulation), fit) if isinstance(loader, cst.Name) else None)
         if read is not None:
             return read
         changed = self._changes_the_math()
         if changed is not None:
             return call, changed
-        first = min((before, facts.statement_of(call)), key=lambda st: _at(facts, st))
-        return _placed(facts, facts.code(micro), facts.code(accumulation), first, call, "the Trainer and its data are built")
+        first = min((before, facts.statement_of(call)), key=lambda st: position_of(facts, st))
+        return placed_split(facts, facts.code(micro), facts.code(accumulation), first, call, "the Trainer and its data are built")
 
-    def _accelerate_split(self, facts: ModuleFacts, call: cst.Call) -> _Split | tuple[cst.CSTNode, str] | None:
+    def _accelerate_split(self, facts: ModuleFacts, call: cst.Call) -> Split | tuple[cst.CSTNode, str] | None:
         """``Accelerator(gradient_accumulation_steps=args.accum)`` with a loop of the script's own that runs each
         micro-batch ``with accelerator.accumulate(model):`` over a DataLoader built with a batch size of the
         script's: Accelerate divides each micro-batch's loss by the count and steps on the last of each count."""
@@ -269,8 +260,8 @@ class BatchSplit(Transform):
         micro = _batch_size_of(facts, built)
         if isinstance(micro, str):
             return built, micro
-        read = _read_elsewhere(facts, micro, accumulation, call, products=True, loader=it.value) or \
-            _length_read(facts, it.value, facts.code(accumulation), loop)
+        read = read_elsewhere(facts, micro, accumulation, call, products=True, loader=it.value) or \
+            length_read(facts, it.value, facts.code(accumulation), loop)
         if read is not None:
             return read
         counted = self._per_micro_step(facts, loop.body, None, accelerated=True)
@@ -279,8 +270,8 @@ class BatchSplit(Transform):
         changed = self._changes_the_math()
         if changed is not None:
             return call, changed
-        first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: _at(facts, st))
-        return _placed(facts, facts.code(micro), facts.code(accumulation), first, call,
+        first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: position_of(facts, st))
+        return placed_split(facts, facts.code(micro), facts.code(accumulation), first, call,
                        "the Accelerator and the DataLoader are built")
 
     def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None, accelerated: bool = False):
@@ -301,10 +292,10 @@ class BatchSplit(Transform):
                     continue
             if isinstance(func, cst.Attribute) and func.attr.value == "step" and \
                     facts.code(func.value) in self.project.scheduler_names:
-                return call, (f"{facts.code(func.value)}.step() at line {_line(facts, call)} runs once per "
+                return call, (f"{facts.code(func.value)}.step() at line {line_of(facts, call)} runs once per "
                               "micro-batch: the split would change the learning-rate schedule")
             if qual in CLIP:
-                return call, (f"{qual.rsplit('.', 1)[-1]} at line {_line(facts, call)} clips each micro-batch's "
+                return call, (f"{qual.rsplit('.', 1)[-1]} at line {line_of(facts, call)} clips each micro-batch's "
                               "gradients: the split would change what is clipped")
         return None
 
@@ -393,19 +384,6 @@ def _micro_loop(facts: ModuleFacts, loop: cst.For | cst.While, scope) -> cst.For
     return None
 
 
-def _last_micro_test(facts: ModuleFacts, name: cst.Name, accumulation: str) -> bool:
-    """``micro == accum - 1`` (the last micro-batch of a step, which a DDP script syncs on): still the last one after
-    a split."""
-    parent = facts.parent(name)
-    if not (isinstance(parent, cst.Comparison) and parent.left is name and len(parent.comparisons) == 1):
-        return False
-    target = parent.comparisons[0]
-    right = target.comparator
-    return (isinstance(target.operator, (cst.Equal, cst.NotEqual)) and isinstance(right, cst.BinaryOperation)
-            and isinstance(right.operator, cst.Subtract) and facts.code(right.left) == accumulation
-            and isinstance(right.right, cst.Integer) and right.right.value == "1")
-
-
 RANDINT = "torch.randint"
 
 
@@ -448,7 +426,7 @@ def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str, accumulation: 
     if isinstance(found[1], str):
         return found
     built, micro = found
-    return _length_read(facts, loader, accumulation, inner) or (micro, facts.statement_of(built))
+    return length_read(facts, loader, accumulation, inner) or (micro, facts.statement_of(built))
 
 
 def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, defined: cst.FunctionDef):
@@ -484,7 +462,7 @@ def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, define
         ahead = facts.function_of(call) is outer_function and facts.block_of(facts.statement_of(call)) is \
             facts.block_of(loop.outer) and facts.position(call) < facts.position(loop.outer)
         if not ahead:
-            return call, (f"{name}() is also called at line {_line(facts, call)}: a bigger {facts.code(micro)} would "
+            return call, (f"{name}() is also called at line {line_of(facts, call)}: a bigger {facts.code(micro)} would "
                           "change what it draws there, and the draws after it")
     first = min(calls, key=facts.position)
     return micro, facts.statement_of(first)
@@ -584,16 +562,6 @@ def _self_attribute(facts: ModuleFacts, size: cst.BaseExpression | None) -> str 
     return None
 
 
-def _enumerated(loop: cst.For) -> tuple[str | None, cst.BaseExpression | None]:
-    """(counter, what it enumerates) of ``for i, batch in enumerate(loader)``."""
-    it, target = loop.iter, loop.target
-    if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "enumerate" and it.args):
-        return None, None
-    if not (isinstance(target, cst.Tuple) and len(target.elements) == 2 and isinstance(target.elements[0].value, cst.Name)):
-        return None, None
-    return target.elements[0].value.value, it.args[0].value
-
-
 def _slice_starts(source: cst.BaseExpression | None) -> bool:
     """``range(0, n, batch_size)``: where each micro-batch starts, batch_size a variable of the script's."""
     return (isinstance(source, cst.Call) and isinstance(source.func, cst.Name) and source.func.value == "range"
@@ -633,7 +601,7 @@ def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
             if upper is not None:
                 uppers.append(upper.right)
             continue
-        return n, (f"{start} is read at line {_line(facts, n)} other than as a slice [{start}:{start} + {code}] of a "
+        return n, (f"{start} is read at line {line_of(facts, n)} other than as a slice [{start}:{start} + {code}] of a "
                    "tensor's first dimension: what a bigger micro-batch would read there is not known")
     if not uppers:
         return loop, f"no slice [{start}:{start} + {code}] in the loop: where its micro-batches come from is not known"
@@ -645,96 +613,6 @@ def _first_dimension(facts: ModuleFacts, bounds: cst.Slice) -> bool:
     element = facts.parent(bounds)
     subscript = facts.parent(element)
     return isinstance(subscript, cst.Subscript) and subscript.slice[0] is element
-
-
-def _start(loop: cst.For) -> int | None:
-    """enumerate's start: 0, 1, or None where it is something else."""
-    args = loop.iter.args  # type: ignore[attr-defined]
-    if len(args) == 1:
-        return 0
-    value = args[1].value
-    return int(value.value) if isinstance(value, cst.Integer) and value.value in ("0", "1") else None
-
-
-def _accumulation(facts: ModuleFacts, test: cst.BaseExpression, counter: str, start: int | None,
-                  loader: str | None = None):
-    """``A`` of ``(i + 1) % A == 0`` (``i % A == 0`` where enumerate counts from 1), where A is a variable; also with
-    ``or i + 1 == len(loader)`` after it (a last, shorter step at the end of each epoch: ceil(n / A) steps, which
-    the split keeps)."""
-    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.Or) and loader is not None and \
-            _last_of_epoch(facts, test.right, counter, start, loader):
-        test = test.left
-    if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
-        return None
-    target = test.comparisons[0]
-    if not (isinstance(target.operator, cst.Equal) and isinstance(target.comparator, cst.Integer)
-            and target.comparator.value == "0"):
-        return None
-    mod = test.left
-    if not (isinstance(mod, cst.BinaryOperation) and isinstance(mod.operator, cst.Modulo)):
-        return None
-    left, right = mod.left, mod.right
-    counted = (start == 0 and isinstance(left, cst.BinaryOperation) and isinstance(left.operator, cst.Add)
-               and isinstance(left.left, cst.Name) and left.left.value == counter
-               and isinstance(left.right, cst.Integer) and left.right.value == "1")
-    counted = counted or (start == 1 and isinstance(left, cst.Name) and left.value == counter)
-    if not counted or not is_reference(right):
-        return None
-    return right
-
-
-def _last_of_epoch(facts: ModuleFacts, test: cst.BaseExpression, counter: str, start: int | None, loader: str) -> bool:
-    """``i + 1 == len(loader)`` (or ``i == len(loader) - 1``; ``i == len(loader)`` where enumerate counts from 1):
-    the last micro-batch of the epoch."""
-    spelled = re.sub(r"[\s()]", "", facts.code(test))
-    last = {0: {f"{counter}+1==len{loader}", f"len{loader}=={counter}+1", f"{counter}==len{loader}-1"},
-            1: {f"{counter}==len{loader}", f"len{loader}=={counter}"}}.get(start, set())
-    return spelled in last
-
-
-# calls that only report: print(...), logger.info(...), writer.add_scalar(...), wandb.log(...), pbar.set_postfix(...)
-_LOG_CALLS = {"print", "info", "debug", "warning", "log", "add_scalar", "add_scalars", "set_postfix",
-              "set_description", "write"}
-
-
-def _logging_if(facts: ModuleFacts, name: cst.Name, loop: cst.CSTNode) -> cst.If | None:
-    """The ``if`` that holds ``name`` (in its test or its body) and only reports (``if i % log_every == 0:
-    print(i, ...)``); None where ``name`` is read anywhere else or the body does more than report."""
-    test_of = next((a for a in facts.ancestors(name) if isinstance(a, cst.If) or a is loop), None)
-    if not isinstance(test_of, cst.If) or test_of.orelse is not None:  # (the nearest if, inside the loop)
-        return None
-    if isinstance(test_of.body, cst.SimpleStatementSuite):  # ``if i % 10 == 0: print(...)`` on one line
-        smalls = list(test_of.body.body)
-    elif all(isinstance(st, cst.SimpleStatementLine) for st in test_of.body.body):
-        smalls = [small for st in test_of.body.body for small in st.body]
-    else:
-        return None
-    local: set[str] = set()
-    for small in smalls:
-        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
-            func = small.value.func
-            called = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else None
-            if called not in _LOG_CALLS:
-                return None
-        elif isinstance(small, cst.Assign) and all(isinstance(t.target, cst.Name) for t in small.targets):
-            local.update(t.target.value for t in small.targets)  # a value for the message: read nowhere else
-        else:
-            return None
-    for other in facts.nodes_in(loop, cst.Name):
-        if other.value in local and not facts.contains(test_of.body, other):
-            return None
-    return test_of
-
-
-def _line(facts: ModuleFacts, node: cst.CSTNode) -> int:
-    """The line of the statement that holds ``node``."""
-    return _at(facts, facts.statement_of(node))[0]
-
-
-def _at(facts: ModuleFacts, statement: cst.BaseStatement) -> tuple[int, int]:
-    """Where a statement is (a simple statement line has no position of its own: its first statement's)."""
-    return facts.position(statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and statement.body
-                          else statement)
 
 
 def _divides(facts: ModuleFacts, node: cst.CSTNode, code: str) -> bool:
@@ -778,172 +656,6 @@ def _accumulation_keyword(facts: ModuleFacts, call: cst.Call, keyword: str):
     if not is_reference(accumulation):
         return call, f"{keyword}={facts.code(accumulation)} is not a variable or option of the script's own"
     return accumulation
-
-
-def _read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: cst.BaseExpression,
-                    loop: cst.CSTNode, losses: set[str] = frozenset(), products: bool = False,
-                    within: cst.CSTNode | None = None, loader: str | None = None,
-                    allowed: frozenset[cst.CSTNode] = frozenset()) -> tuple[cst.CSTNode, str] | None:
-    """(where, why) for a read of the micro-batch size or the accumulation count that the split would change (see
-    ``_other_use``; ``products``: their product, the samples per step, does not change; ``loader``: the training
-    DataLoader, whose ``math.ceil(len(loader) / accumulation)`` does not change either; ``allowed``: reads of the
-    micro-batch size that the split changes as it should, the ends of the slices it sizes), or None."""
-    micro_code, code = facts.code(micro), facts.code(accumulation)
-    for expr_code, own, partner in ((micro_code, micro, code), (code, accumulation, micro_code)):
-        other = _other_use(facts, expr_code, own, loop, losses if own is accumulation else set(),
-                           partner if products else None, within, loader if own is accumulation else None,
-                           allowed if own is micro else frozenset())
-        if other is not None:
-            return other, f"{expr_code} is also read at line {_line(facts, other)}: the split would change it"
-    return None
-
-
-def _length_read(facts: ModuleFacts, loader: str, accumulation: str, loop: cst.CSTNode,
-                 test: cst.CSTNode | None = None) -> tuple[cst.CSTNode, str] | None:
-    """(where, why) for ``len(loader)`` in the loop's function: the micro-batches of an epoch, which the split divides
-    by k (a scheduler's length, an epoch's steps, a resume position); None where there is none, or where each is the
-    optimizer steps of an epoch, ``math.ceil(len(loader) / accumulation)``, which the split leaves as it is
-    (ceil(ceil(n / k) / (a / k)) = ceil(n / a)), or in ``test``, the optimizer step's condition (its last
-    micro-batch, which stays the last one)."""
-    for call in facts.nodes_in(scope_of(facts, loop), cst.Call):
-        if test is not None and facts.contains(test, call):
-            continue
-        if not _len_of(facts, call, loader):
-            continue
-        if _epoch_steps(facts, facts.parent(call), loader, accumulation):
-            continue
-        return call, (f"len({loader}) at line {_line(facts, call)} counts micro-batches: the split would change it (only "
-                      f"math.ceil(len({loader}) / {accumulation}), an epoch's optimizer steps, stays the same)")
-    return None
-
-
-def _epoch_steps(facts: ModuleFacts, divided: cst.CSTNode, loader: str | None, accumulation: str) -> bool:
-    """Whether ``divided`` is ``len(loader) / accumulation`` inside ``math.ceil(...)``: an epoch's optimizer steps."""
-    arg = facts.parent(divided)
-    ceil = facts.parent(arg) if isinstance(arg, cst.Arg) else None
-    if not (loader is not None and isinstance(divided, cst.BinaryOperation) and isinstance(divided.operator, cst.Divide)):
-        return False
-    return (_len_of(facts, divided.left, loader) and facts.code(divided.right) == accumulation
-            and isinstance(ceil, cst.Call) and facts.qualname(ceil.func) == "math.ceil")
-
-
-def _len_of(facts: ModuleFacts, node: cst.CSTNode, loader: str) -> bool:
-    """Whether ``node`` is ``len(loader)``."""
-    return (isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "len"
-            and facts.qualname(node.func) in ("len", "builtins.len", None) and len(node.args) == 1
-            and isinstance(node.args[0].value, cst.Name) and node.args[0].value.value == loader)
-
-
-def _placed(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseStatement, at: cst.CSTNode,
-            when: str) -> _Split | tuple[cst.CSTNode, str]:
-    """The split of ``micro`` and ``accumulation`` before ``before``: on entry of the function whose parameters they
-    are, else after the statement that binds them; or (``at``, why not)."""
-    entry = _parameters(facts, [micro, accumulation], before)
-    if entry is not None:
-        return _Split(micro, accumulation, entry, first=True)
-    after = _bound_once(facts, [micro, accumulation], before, when)
-    return (at, after) if isinstance(after, str) else _Split(micro, accumulation, after)
-
-
-def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, losses: set[str],
-               partner: str | None = None, within: cst.CSTNode | None = None,
-               loader: str | None = None, allowed: frozenset[cst.CSTNode] = frozenset()) -> cst.CSTNode | None:
-    """A read of ``code`` other than ``own``, the loss division in ``loop``, the loss scaled back for a log line
-    (``loss.item() * accum``: the last micro-batch's mean loss, whatever its size), a product with ``partner`` (the
-    samples per step, ``batch_size * accum * block_size``: unchanged) and the last micro-step's test, or None."""
-    kind = cst.Attribute if "." in code else cst.Name
-    for n in facts.nodes_in(within or facts.module, kind):
-        if n is own or n in allowed or facts.code(n) != code or (isinstance(n, cst.Name) and not names_variable(facts, n)):
-            continue
-        parent = facts.parent(n)
-        if isinstance(parent, (cst.AssignTarget, cst.Param)) or (isinstance(n, cst.Name) and is_assigned(facts, n)):
-            continue  # the binding, alone or unpacked
-        if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide) and parent.right is n \
-                and facts.contains(loop, n):
-            continue
-        if isinstance(parent, cst.AugAssign) and parent.value is n and facts.contains(loop, n):
-            continue
-        if isinstance(parent, cst.BinaryOperation) and parent.right is n and _epoch_steps(facts, parent, loader, code):
-            continue
-        if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Multiply):
-            other = parent.left if parent.right is n else parent.right
-            if any(isinstance(m, cst.Name) and m.value in losses for m in walk(other, itself=True)):
-                continue
-            if partner is not None and partner in _factors(facts, _product(facts, n)):
-                continue
-        target = facts.parent(parent)
-        test = facts.parent(target) if isinstance(target, cst.ComparisonTarget) else None
-        if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Subtract) and \
-                isinstance(test, cst.Comparison) and isinstance(test.left, cst.Name) and facts.contains(loop, n) and \
-                _last_micro_test(facts, test.left, code):
-            continue
-        return n
-    return None
-
-
-def _product(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
-    """The outermost product ``node`` is a factor of."""
-    while isinstance(parent := facts.parent(node), cst.BinaryOperation) and isinstance(parent.operator, cst.Multiply):
-        node = parent
-    return node
-
-
-def _factors(facts: ModuleFacts, node: cst.CSTNode) -> set[str]:
-    """The code of each factor of a product (``a * b * c``: a, b, c)."""
-    if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Multiply):
-        return _factors(facts, node.left) | _factors(facts, node.right)
-    return {facts.code(node)}
-
-
-def _bound_once(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement, when: str) -> cst.BaseStatement | str:
-    """The statement after which every one of ``codes`` is bound, each by one statement of one block, or why not
-    (``when``: what happens at ``before``, as the reason says it: "the DataLoader is built")."""
-    statements = []
-    for code in codes:
-        base = code.split(".", 1)[0]
-        scope = scope_of(facts, before)
-        found = assignments(facts, scope, base, before=before, unpacking=True)
-        if not found and scope is not facts.module:
-            found = assignments(facts, facts.module, base, unpacking=True)
-        if len(found) != 1:
-            return f"{base} is bound {len(found)} times before {when}: its value there is not known"
-        statements.append(facts.statement_of(found[0]))
-    last = max(statements, key=lambda s: _at(facts, s))
-    block = facts.block_of(last)
-    if any(facts.block_of(s) is not block for s in statements):
-        return f"{' and '.join(codes)} are bound in different blocks"
-    if any(unbound(facts, before, code) for code in codes) and facts.function_of(last) is facts.function_of(before):
-        return f"{' and '.join(codes)} may be unbound where {when}"
-    return last
-
-
-def _parameters(facts: ModuleFacts, codes: list[str], before: cst.BaseStatement) -> cst.BaseStatement | None:
-    """The first statement of the function holding ``before`` (after its docstring), where every one of ``codes``
-    is a plain parameter of it that the function never rebinds: split there, each call splits its own values."""
-    function = facts.function_of(before)
-    if function is None:
-        return None
-    params = {p.name.value for p in function.params.params} | {p.name.value for p in function.params.kwonly_params}
-    bases = {code.split(".", 1)[0] for code in codes}
-    if not all(base in params and not assignments(facts, function, base) for base in bases):
-        return None
-    if any(isinstance(n, (cst.AugAssign, cst.AnnAssign, cst.AssignTarget)) and
-           (facts.code(n.target) in codes or facts.code(n.target).split(".", 1)[0] in bases and "." in facts.code(n.target))
-           for n in walk(function.body)):
-        return None  # the function rebinds them (or attributes of the options object) itself
-    if any("." in code for code in codes) and not _called_once(facts, function):
-        return None  # an options object split at each call would be split again by a second call
-    body = list(function.body.body)
-    if len(body) > 1 and isinstance(body[0], cst.SimpleStatementLine) and isinstance(body[0].body[0], cst.Expr) \
-            and isinstance(body[0].body[0].value, (cst.SimpleString, cst.ConcatenatedString)):
-        return body[1]
-    return body[0]
-
-
-def _called_once(facts: ModuleFacts, function: cst.FunctionDef) -> bool:
-    """Whether the module calls ``function`` (by its name) exactly once, outside any loop."""
-    calls = [c for c in facts.calls if isinstance(c.func, cst.Name) and c.func.value == function.name.value]
-    return len(calls) == 1 and not any(isinstance(a, (cst.For, cst.While)) for a in facts.ancestors(calls[0]))
 
 
 def _zero(node: cst.BaseExpression) -> bool:
