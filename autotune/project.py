@@ -13,7 +13,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from autotune.analysis import _UNKNOWN, ModuleFacts, deep, no_gc, read_source
+from autotune.analysis import _UNKNOWN, ModuleFacts
+from autotune.source import deep, no_gc, read_source
 from autotune.syntax import assignments, is_param, stores
 
 # torch.optim classes that are not optimizers.

@@ -132,7 +132,8 @@ def _split(path: Path, repeat: int) -> None:
     """Where the in-process time of a patch goes, phase by phase (the same steps as ``run``, checked against it)."""
     import libcst as cst
 
-    from autotune.analysis import ModuleFacts, _collect, _index, no_gc, read_source
+    from autotune.analysis import ModuleFacts, _collect, _index
+    from autotune.source import no_gc, read_source
     from autotune.project import Project, _collect_names, _find_loops
     from autotune.patch import _apply, _code, _step_hooks, run
     from autotune.transform import Edits, Mode, all_transforms

@@ -314,7 +314,7 @@ def test_an_empty_package_init_is_a_module_like_any_other(init: str, tmp_path: P
 
 
 def test_a_script_over_the_size_limit_is_refused(tmp_path: Path):
-    from autotune.analysis import MAX_SOURCE_BYTES
+    from autotune.source import MAX_SOURCE_BYTES
     from autotune.errors import UsageError
 
     script = tmp_path / "train.py"

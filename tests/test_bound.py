@@ -8,7 +8,8 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from autotune.analysis import ModuleFacts, _collect, _index, parse
+from autotune.analysis import ModuleFacts, _collect, _index
+from autotune.source import parse
 from autotune.bound import unbound
 
 # (id, code with the statement `probe()` where ``x`` is read, whether it is bound there)
