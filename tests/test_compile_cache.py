@@ -109,8 +109,8 @@ def test_a_compiling_trial_leaves_its_compiled_code_and_the_tuned_script_loads_i
 
 
 def test_a_file_torch_cannot_load_is_said_not_loaded(tmp_path):
-    from autotune.runtime import _load_compile_cache
+    from autotune.trial_files import load_compile_cache
 
     (tmp_path / "junk.bin").write_bytes(b"not a cache")
-    assert _load_compile_cache(str(tmp_path / "junk.bin")) is False
-    assert _load_compile_cache(str(tmp_path / "missing.bin")) is False
+    assert load_compile_cache(str(tmp_path / "junk.bin")) is False
+    assert load_compile_cache(str(tmp_path / "missing.bin")) is False
