@@ -13,7 +13,7 @@ from autotune.search import costs, ports
 
 from test_search_strategy import fake_search  # (pytest puts tests/ on the path)
 
-INTERFACES = [ports.Runs, ports.Trials, ports.Confirming, ports.Viewed, ports.Shown]  # (Clock: its ``costs``)
+INTERFACES = [ports.Runs, ports.Trials, ports.Confirming, ports.Exploring, ports.Viewed, ports.Shown]  # (Clock: its ``costs``)
 
 
 def _members(iface) -> tuple[set[str], set[str]]:
@@ -54,7 +54,7 @@ def test_no_collaborator_types_the_search_loosely_or_reads_its_private_members()
     import re
 
     here = Path(ports.__file__).parent
-    for name in ("confirm", "view", "whole", "carried", "live", "from_study"):
+    for name in ("explore", "confirm", "view", "whole", "carried", "live", "from_study"):
         text = (here / f"{name}.py").read_text()
         assert "Search = Any" not in text and "search: Any" not in text, name
         assert not re.search(r"\b(s|search|self\.s)\._[a-z]", text), f"{name}.py reads a private member of the search"

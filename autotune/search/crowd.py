@@ -1,7 +1,9 @@
 """A crowded machine: other work that takes processors from a run's steps, and what that does to a run on more
 threads. Read from a search's first runs (its baselines, and the baseline on another thread count): where other
 work took processors and fewer threads ran much faster, OpenMP's threads are waiting for whichever one is
-descheduled, and runs on the script's thread count measure the machine's load more than the configuration."""
+descheduled, and runs on the script's thread count measure the machine's load more than the configuration. And a
+single run that other work (or the hypervisor) disturbed beyond what this machine's runs usually see: measured
+again rather than compared."""
 
 from __future__ import annotations
 
@@ -90,3 +92,29 @@ def fewer_as_fast(baselines: Sequence[TrialResult], perturbed: Sequence[TrialRes
         return None
     ratio = _other_count_speed(baselines, perturbed)
     return ratio if ratio is not None and ratio * (1.0 + margin) >= 1.0 else None
+
+
+# a confirmation run whose measured steps lost more than this many processors to other work (or this share of the
+# machine's time to the hypervisor) beyond what the machine's runs usually lose is measured again (``disturbed``)
+DISTURBED_CORES = 0.5
+DISTURBED_STEAL = 0.1
+
+
+def disturbed(results: Sequence[TrialResult], result: TrialResult) -> str | None:
+    """Why ``result``'s time is the machine's more than its configuration's, or None: other work took more than
+    DISTURBED_CORES processors (or DISTURBED_STEAL of the hypervisor's time) from its measured steps beyond what
+    this machine's runs usually see (their median: a machine that is always this busy disturbs no run more than
+    another, and its pairs are compared as they are)."""
+    c = result.contention
+    seen = [r.contention for r in results if r.contention and r.machine == result.machine and r.measured]
+    if not c or len(seen) < 3:
+        return None
+    others = statistics.median(x["others"] for x in seen)
+    steal = statistics.median(x["steal"] for x in seen)
+    if c["others"] - others > DISTURBED_CORES:
+        return (f"other work on the machine used {c['others']:.1f} of its {c['cores']:.0f} processors during the "
+                f"measured steps (its runs usually see {others:.1f}): measured again")
+    if c["steal"] - steal > DISTURBED_STEAL:
+        return (f"the hypervisor gave {100 * c['steal']:.0f}% of the processors' time to other machines during the "
+                f"measured steps (its runs usually see {100 * steal:.0f}%): measured again")
+    return None

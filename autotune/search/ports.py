@@ -1,8 +1,8 @@
 """What the search's collaborators may use of a running search, as typed interfaces.
 
-confirm.py, whole.py, carried.py, view.py and live.py work on the running ``Search`` (search.py), which imports
-them: each types its argument by the interface here that names what it reads, so that the imports stay one-way
-and the search's other state stays its own. ``Search`` provides all of them (tests/test_search_ports.py checks it).
+explore.py, confirm.py, whole.py, carried.py, view.py and live.py work on the running ``Search`` (search.py), which
+imports them: each types its argument by the interface here that names what it reads, so that the imports stay
+one-way and the search's other state stays its own. ``Search`` provides all of them (tests/test_search_ports.py checks it).
 """
 
 from __future__ import annotations
@@ -97,6 +97,37 @@ class Confirming(Runs, Trials, Protocol):
         self, config: dict[str, Any], got: Mapping[tuple[int, str], TrialResult], stopped: str | None,
         search_speedup: float | None, machine: str,
     ) -> Confirmation: ...
+
+
+class Exploring(Confirming, Protocol):
+    """What the search phase (explore.py) uses: the strategy and its plan, the study's measured programs, the first
+    runs' decisions (run lengths, the thread count a crowded machine favours) and the compiling program's repeat."""
+
+    device: str
+    strategy: Any  # strategy.StrongStart
+    plan: Any  # strategy.Plan | None
+    mode: str  # how the search went on after the descent, for the report
+    threads: tuple[int, int] | None
+    taken: set[str]  # the programs other workers are measuring now
+    started: float
+
+    def target(self) -> int | None: ...
+
+    def measured(self) -> dict[str, TrialResult]: ...
+
+    def view(self) -> Any: ...  # view.StudyView
+
+    def noise(self, machine: str | None = None) -> Any: ...  # gate.Noise
+
+    def crowd(self) -> Any: ...  # crowd.Crowd | None
+
+    def thread_knob(self) -> str | None: ...
+
+    def perturbed(self, machine: str | None = None) -> list[TrialResult]: ...
+
+    def fit_lengths(self) -> bool: ...
+
+    def compiles(self, config: Mapping[str, Any]) -> bool: ...
 
 
 class Viewed(Runs, Protocol):

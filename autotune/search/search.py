@@ -22,7 +22,6 @@ from autotune.files import OutDirLock, claim_out_dir
 from autotune.search.budget import (
     MIN_PAIRS,
     OUTPUT_S,
-    RUN_MARGIN,
     SLACK,
     Least,
     first_run_too_long,
@@ -30,12 +29,13 @@ from autotune.search.budget import (
     run_lengths,
 )
 from autotune.search.costs import NOISY, Costs
-from autotune.search.crowd import Crowd, crowd, fewer_as_fast
+from autotune.search.crowd import Crowd, crowd, disturbed
 from autotune.search.credit import knob_worth, startup, whole_run
 from autotune.search.gate import Noise, gated, measure_noise
 from autotune.search.identity import Programs, thread_counts
 from autotune.search.options import SearchFailed, SearchInterrupted, SearchOptions
 from autotune.search.confirm import confirm_candidates, verdict
+from autotune.search.explore import explore
 from autotune.search.prepare import prepare
 from autotune.search.outcome import (
     CacheSaving,
@@ -48,9 +48,9 @@ from autotune.search.outcome import (
     train_time,
 )
 from autotune.search.machine import Machine, this_machine
-from autotune.search.space import config_key, has, same_value
+from autotune.search.space import config_key, same_value
 from autotune.search.strategy import Plan, label
-from autotune.search.view import StudyView, margin
+from autotune.search.view import StudyView
 from autotune.search.carried import WITH as CACHE_WITH, measure as measure_saving
 from autotune.search.whole import measure as measure_whole
 from autotune.compile_cache import CACHE_NAME, CACHES_NAME
@@ -59,9 +59,7 @@ from autotune.search.study import (
     ROLE_BASELINE,
     ROLE_CACHE,
     ROLE_CONFIRM,
-    ROLE_DUEL,
     ROLE_PERTURBED,
-    ROLE_REPEAT,
     ROLE_SEARCH,
     ROLE_WHOLE,
     StudyStore,
@@ -82,18 +80,12 @@ WORK_NAME = ".work"
 LOCK_NAME = ".autotune.lock"
 DB_NAME = "study.db"
 # a configuration that compiles: inductor's autotuning (max-autotune) ran past 120 s on a small GPT on an H100
-MAX_HOPEFUL = 50  # hopeful configurations looked at (baked) for one not measured yet
-MAX_DUPLICATES = 5  # sampler proposals of measured configurations in a row before enumerating instead
 WAIT_S = 1.0  # how often a worker looks at the study while other workers finish trials it needs
 
 
 # --- the search ------------------------------------------------------------------------------------------------
 
 
-# a confirmation run whose measured steps lost more than this many processors to other work (or this share of the
-# machine's time to the hypervisor) beyond what the machine's runs usually lose is measured again (Search._disturbed)
-DISTURBED_CORES = 0.5
-DISTURBED_STEAL = 0.1
 
 
 class Search:
@@ -121,7 +113,7 @@ class Search:
         self.reported = ""  # the machine ``autotune report`` reports on
         self.threads: tuple[int, int] | None = None  # CPU threads of a run and of the perturbed one (set on CPU)
         self.claims: set[str] = set()  # what other workers are measuring now
-        self._taken: set[str] = set()  # of that, the programs (code keys) of search trials
+        self.taken: set[str] = set()  # of that, the programs (code keys) of search trials
         self._waiting: frozenset[str] = frozenset()
         self.programs = Programs(self.project, self.device, self.space)  # which configurations bake alike
         self.clock = time.monotonic  # (tests put a fake clock and runner here)
@@ -182,7 +174,7 @@ class Search:
             self.refresh()
             self.display.begin(self)
             try:
-                stopped = self._explore()
+                stopped = explore(self)
                 self.reserved_s = self.costs.confirm_reserve() if math.isfinite(self.deadline) else None
                 confirmations = [measure_whole(self, c) if c.accepted else c for c in confirm_candidates(self)]
                 saving = measure_saving(self, next((c for c in confirmations if c.accepted), None))
@@ -279,7 +271,7 @@ class Search:
         """The study as it is now: every worker's finished trials, and what the other workers are measuring."""
         results, self.claims = self.store.refresh()
         self.results = self.admit(results)
-        self._taken = {parts[1] for parts in map(json.loads, self.claims) if parts[0] == ROLE_SEARCH}
+        self.taken = {parts[1] for parts in map(json.loads, self.claims) if parts[0] == ROLE_SEARCH}
 
     def admit(self, results: list[TrialResult]) -> list[TrialResult]:
         """The study's results whose configuration is one of this space's; the others (a value that is not one of
@@ -313,36 +305,6 @@ class Search:
             return machine
         return self.machine.key if self.machine else self.reported
 
-    def _to_repeat(self) -> dict[str, Any] | None:
-        """A compiling program to run a second time, where the time set aside for confirmation stops the search and no
-        second run of a compiling program has shown what a run costs with the compiler's caches warm (confirmation
-        runs are such second runs): the best candidate if it compiles, else the latest compiling program measured;
-        once per search, and only where that run fits beside a confirmation at the least it could cost (Accelerate's
-        nlp_example at 300 s: sized by its cold compile, the reserve stopped the search at 173 s)."""
-        me = self.machine.key
-        if self.costs.compile_extras(warm=True) or any(r.role == ROLE_REPEAT and r.machine == me for r in self.results):
-            return None
-        ranked = self.candidates()
-        if ranked and self.compiles(ranked[0][0]):
-            config = ranked[0][0]
-        else:
-            config = next((dict(r.config) for r in reversed(self.results)
-                           if r.measured and r.machine == me and self.compiles(r.config)), None)
-        if config is None or len(self.costs.program_runs(config)) != 1:
-            return None
-        return config if self.costs.time_left() >= RUN_MARGIN * self.costs.cost_of(config) + self.costs.least_reserve() else None
-
-    def _repeat(self) -> bool:
-        """Run a compiling program a second time where ``_to_repeat`` says so; whether it ran."""
-        again = self._to_repeat()
-        if again is None:
-            return False
-        why = ("the time kept for confirmation, sized by compiling runs from cold, stops the search: a second run "
-               "shows what a run costs with the compiler's caches warm")
-        self.reserve_now = self.costs.least_reserve()
-        self.run_trial(again, ROLE_REPEAT, {"why": why}, claim_key(ROLE_REPEAT, self.machine.key, self.programs.program(again)))
-        return True
-
     def target(self) -> int | None:
         """How many distinct configurations (the baseline included) the study measures at most, by all its workers."""
         return min(self.o.trials, self.space.size) if self.o.trials is not None else None
@@ -372,7 +334,7 @@ class Search:
         base = self.baselines(machine)
         return base[0] if base else None
 
-    def _perturbed(self, machine: str | None = None) -> list[TrialResult]:
+    def perturbed(self, machine: str | None = None) -> list[TrialResult]:
         machine = self.mine(machine)
         return [r for r in self.results
                 if r.role == ROLE_PERTURBED and r.measured and r.machine == machine and self._whole(r)]
@@ -380,7 +342,7 @@ class Search:
     def noise(self, machine: str | None = None) -> Noise:
         """The baseline's noise on ``machine``: in loss from its baseline runs, in time from every run of the
         baseline there (confirmation's baseline arms too)."""
-        noise = measure_noise(self.baselines(machine), self._perturbed(machine))
+        noise = measure_noise(self.baselines(machine), self.perturbed(machine))
         return replace(noise, time=time_spread([r for r in self._all_baselines(machine)]))
 
     def _all_baselines(self, machine: str | None = None) -> list[TrialResult]:
@@ -535,7 +497,7 @@ class Search:
                 status=Outcome.INTERRUPTED,
                 error=f"stopped after {timeout:.0f}s, where the time budget ends: it measured nothing",
             )
-        if role == ROLE_CONFIRM and result.status is Outcome.OK and (why := self._disturbed(result)):
+        if role == ROLE_CONFIRM and result.status is Outcome.OK and (why := disturbed(self.results, result)):
             result = result.with_(status=Outcome.DISTURBED, error=why)  # its pair counts neither way: another runs
         missed = unreached(result, self.space.changed(result.config)) if role == ROLE_SEARCH else []
         if missed:  # it timed a program without these knobs: reported, never ranked
@@ -562,65 +524,22 @@ class Search:
 
     def crowd(self) -> Crowd | None:
         """What other work did to this machine's first runs (None: nothing that took processors from their steps)."""
-        return crowd(self.baselines(), self._perturbed(), self.threads)
+        return crowd(self.baselines(), self.perturbed(), self.threads)
 
-    def _thread_knob(self) -> str | None:
+    def thread_knob(self) -> str | None:
         """The name of the knob this space searches that sets the CPU thread count (its role), if any."""
         return next((k.name for k in self.space.knobs if k.role is Role.THREADS), None)
-
-    def _lead_with_fewer_threads(self) -> None:
-        """Where fewer threads ran the baseline as fast as the script's count, or other work made them much faster,
-        the start takes the thread knob at that count, first. Under other work the runs on the script's count would
-        measure the load (makemore beside a busy process: 21x slower a step); on an idle machine the extra threads
-        buy nothing and cost what runs with them (``crowd.fewer_as_fast``). Either way a descent that reaches the
-        thread knob last runs out of time first. Decided from the first runs, which a resumed study keeps, so a
-        resumed search starts from the same place."""
-        knob = self._thread_knob()
-        if knob is None or self.threads is None or not has(self.space.choices[knob], self.threads[1]):
-            return
-        many, few = self.threads
-        c = self.crowd()
-        if c is not None and c.favours_few:
-            if self.strategy.lead(knob, few):
-                self.display.note(c.lead_note(knob))
-            return
-        noise = margin(self.baselines())
-        ratio = fewer_as_fast(self.baselines(), self._perturbed(), self.threads, noise)
-        if ratio is not None and self.strategy.lead(knob, few):
-            self.display.note(
-                f"the search starts from {knob}={few} as well: the baseline on {few} thread(s) ran {ratio:.2f}x its "
-                f"speed on {many}, as fast within the noise ({100 * noise:.0f}%), so the extra threads buy this "
-                "script nothing here; the descent measures them again with the other knobs")
 
     def _crowd_note(self, winner: Confirmation | None) -> str | None:
         """Where the winner sets the thread knob to the count a crowded machine favoured: that it holds here."""
         c = self.crowd()
         if winner is None or c is None or not c.favours_few:
             return None
-        knob = self._thread_knob()
+        knob = self.thread_knob()
         value = winner.config.get(knob) if knob else None
         if knob is None or same_value(value, self.space.baseline()[knob]):
             return None
         return c.verdict_note(knob, value)
-
-    def _disturbed(self, result: TrialResult) -> str | None:
-        """Why ``result``'s time is the machine's more than its configuration's, or None: other work took more than
-        DISTURBED_CORES processors (or DISTURBED_STEAL of the hypervisor's time) from its measured steps beyond what
-        this machine's runs usually see (their median: a machine that is always this busy disturbs no run more than
-        another, and its pairs are compared as they are)."""
-        c = result.contention
-        seen = [r.contention for r in self.results if r.contention and r.machine == result.machine and r.measured]
-        if not c or len(seen) < 3:
-            return None
-        others = statistics.median(x["others"] for x in seen)
-        steal = statistics.median(x["steal"] for x in seen)
-        if c["others"] - others > DISTURBED_CORES:
-            return (f"other work on the machine used {c['others']:.1f} of its {c['cores']:.0f} processors during the "
-                    f"measured steps (its runs usually see {others:.1f}): measured again")
-        if c["steal"] - steal > DISTURBED_STEAL:
-            return (f"the hypervisor gave {100 * c['steal']:.0f}% of the processors' time to other machines during the "
-                    f"measured steps (its runs usually see {100 * steal:.0f}%): measured again")
-        return None
 
     def _cache_of(self, config: Mapping[str, Any], role: str, attrs: Mapping[str, Any] | None) -> Path | None:
         """Where this run keeps what it compiled, for the tuned script (None: it keeps nothing): the confirmation's
@@ -670,158 +589,18 @@ class Search:
         """The study as the strategy sees it (rebuilt after each refresh)."""
         return StudyView(self)
 
-    def _unmeasured(self) -> dict[str, Any] | None:
-        """The first configuration, in the space's order, whose program nobody measured or is measuring."""
-        measured = self.measured()
-        for c in self.space.configs():
-            key = self.programs.program(c)
-            if key not in measured and key not in self._taken:
-                return c
-        return None
-
-    def _explore(self) -> str:
-        self._duplicates = 0
-        self.reserve_now = 0.0
-        target = self.target()
-        if self.baselines():  # a resumed study: nothing to do where it has already done what was asked
-            if target is not None and len(self.measured()) >= target:
-                return f"all {target} configurations already measured (resumed study)"
-            self._lead_with_fewer_threads()  # as the first session's search decided it, from the same first runs
-            self.plan = self.strategy.plan(self.view())
-            if self.plan.done and target is None and not self._taken:
-                return "the descent had converged (resumed study)"
-        # two baselines back to back on a machine new to the study, so its noise is known from the first trial on;
-        # one when resuming, as the machine may have changed since
-        need = max(1, 2 - len(self.baselines()))
-        while need > 0:
-            self.run_trial(self.space.baseline(), ROLE_BASELINE)
-            need -= 1
-            if self._fit_lengths():
-                need += 1  # the first run is shorter than the runs are now: one more at their length
-        # on a GPU, runs that agree bit for bit at first drift apart from a step that varies run to run (atomics): where
-        # the first two differ, a third back to back, so that the noise floor is not one sample's chance
-        if self.device == "cuda" and len(self.baselines()) == 2 and not self.noise().deterministic:
-            self.run_trial(self.space.baseline(), ROLE_BASELINE,
-                        {"why": "the first two baseline runs' losses differ: a third measures how far they drift"})
-        # on a CPU, where baseline runs agree bit for bit, one more on another number of threads shows how far this
-        # script's training carries a rounding difference: the floor of the tolerance of reordering knobs
-        if self.threads is not None and not any(r.role == ROLE_PERTURBED and r.machine == self.machine.key
-                                                for r in self.results):
-            base, other = self.threads
-            why = f"the baseline on {other} CPU thread(s) instead of {base}: only the order of sums changes"
-            self.run_trial(self.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
-            if (c := self.crowd()) is not None:
-                self.display.note(c.warning(self._thread_knob()))
-        self._lead_with_fewer_threads()
-        while True:
-            self.refresh()
-            measured = len(self.measured())
-            if target is not None and measured >= target:
-                if target == self.space.size:
-                    return f"all {self.space.size} configurations measured"
-                return f"trial budget reached ({target} configurations)"
-            self.plan = self.strategy.plan(self.view())
-            ready = [p for p in (self.plan.ready if self.plan else ()) if self.programs.program(p.config) not in self._taken]
-            attrs = {"phase": ready[0].phase, "why": ready[0].why} if ready else {"phase": "sample"}
-            config = ready[0].config if ready else None
-            if self.plan.done and not ready:
-                if self._taken:  # the strategy's last steps are other workers' trials: their results decide
-                    self.wait_for("configuration(s) other workers are measuring", self._taken)
-                    continue
-                if self.plan.untried:
-                    if self._repeat():
-                        continue
-                    return self._out_of_time(
-                        f"{self.plan.untried} knob change(s) on the best configuration were not tried")
-                if self.o.trials is None:  # the time left goes to untried configurations that could still win
-                    hope = self._hopeful()
-                    if hope is None:
-                        return self._converged()
-                    config, attrs = hope
-                    self.mode = "descent, then the untried configurations that could still win"
-                else:
-                    self.mode = "descent, then sampled"  # --trials asks for more configurations: the sampler picks
-            if not ready and not self.plan.done:
-                self.wait_for("configuration(s) other workers are measuring", self._taken)
-                continue
-            if config is None and (self._duplicates >= MAX_DUPLICATES or self.space.size <= (self.o.trials or 0)):
-                config = self._unmeasured()
-                if config is None:
-                    return f"all {self.space.size} configurations measured ({len(self.measured())} distinct programs)"
-            self.reserve_now = self.costs.reserve_for(config)
-            cost = self.costs.cost_of(config) if config is not None else self.costs.baseline_cost()
-            if self.costs.time_left() < RUN_MARGIN * cost + self.reserve_now:
-                if self._repeat():
-                    continue
-                return self._out_of_time(need=RUN_MARGIN * cost + self.reserve_now)
-            since = 0
-            for r in reversed(self.results):  # this machine's search trials since its last baseline run
-                if r.machine != self.machine.key:
-                    continue
-                if r.role == ROLE_BASELINE:
-                    break
-                since += r.role == ROLE_SEARCH
-            if since >= self.o.baseline_every:
-                self.run_trial(self.space.baseline(), ROLE_BASELINE)
-                continue
-            if ready and ready[0].duel is not None:
-                a, b, pair, arm = ready[0].duel
-                keys = [self.programs.program(a), self.programs.program(b)]
-                attrs = {"duel": keys, "pair": pair, "arm": arm, "why": ready[0].why}
-                self.run_trial(config, ROLE_DUEL, attrs, claim_key(ROLE_DUEL, self.machine.key, *keys, pair, arm))
-                continue
-            got = self.run_trial(config, ROLE_SEARCH, attrs)
-            self._duplicates = self._duplicates + 1 if got is None and config is None else 0
-
-    def _hopeful(self) -> tuple[dict[str, Any], dict[str, str]] | None:
-        """The most hopeful untried configuration the time left covers (see ``StrongStart.hopeful``), with why."""
-        measured = self.measured()
-        for config in self.strategy.hopeful(self.view(), self.plan.blamed if self.plan else ())[:MAX_HOPEFUL]:
-            key = self.programs.program(config)
-            if key not in measured and key not in self._taken and self.costs.affordable(config):
-                why = "after the descent: an untried configuration the measured knob changes leave hope for"
-                return config, {"phase": "hope", "why": why}
-        return None
-
-    def _converged(self) -> str:
-        left = self.costs.time_left()
-        spare = f" ({left:.0f}s of the budget left)" if math.isfinite(left) and left > 0 else ""
-        return (
-            "the descent converged, and no untried configuration could beat the best by more than the noise: each "
-            f"combines knob changes that measured slower, or no faster, wherever they were tried{spare}"
-        )
-
     def nothing_to_confirm(self) -> bool:
         """Whether the descent stands at the baseline: its steps, ties re-measured in pairs, found nothing faster
         (a single fast run it did not keep is no candidate)."""
         plan = self.plan
         return plan is not None and self.programs.program(plan.incumbent) == self.programs.program(self.space.baseline())
 
-    def _out_of_time(self, untried: str = "", need: float | None = None) -> str:
-        said = f" ({untried})" if untried else ""
-        left = max(self.costs.time_left(), 0)
-        tried = [r for r in self.results if r.role == ROLE_SEARCH and r.machine == self.machine.key]
-        if need is not None and self.o.budget and not any(r.status is Outcome.OK for r in tried):  # what one needs
-            used = self.clock() - self.started
-            failed = f" ({len(tried)} tried: {', '.join(sorted({str(r.status) for r in tried}))})" if tried else ""
-            return (
-                f"time budget reached before any candidate ran and passed the loss gate{failed}: the next one needs "
-                f"about {need:.0f}s with its confirmation, and {left:.0f}s were left after {used:.0f}s; give "
-                f"--time-budget {math.ceil((used + need) * 1.1 / 10) * 10:.0f} or more"
-            )
-        if self.candidates() and not self.nothing_to_confirm():
-            return f"time budget reached{said}: the rest is set aside for confirmation"
-        return (
-            f"time budget reached{said}: the last {left:.0f}s were kept to confirm a candidate, "
-            "and none was faster than the baseline"
-        )
-
     def _least(self) -> Least:
         """The least search that gives a verdict, after the first baseline: the second baseline, the perturbed one
         on a CPU (a third baseline on a GPU whose runs differ), one candidate and the minimum confirmation."""
         return Least(1 + (self.threads is not None or self.device == "cuda"), MIN_PAIRS)
 
-    def _fit_lengths(self) -> bool:
+    def fit_lengths(self) -> bool:
         """After the first baseline of a new study: the run lengths for the rest of it (``budget.run_lengths``;
         never longer where the user set --steps or --warmup). True where the runs grew: the first run is then too
         short to be the gate's reference."""
