@@ -6,12 +6,27 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
 from autotune.syntax import assignments, is_assigned, is_reference, names_variable, scope_of, walk
+from autotune.transform import Status
+
+
+class Refusal(NamedTuple):
+    """Where and why the batch split does not apply (``status`` PRESENT where it is already a knob): a (node,
+    reason) pair to every check that reads one."""
+
+    node: cst.CSTNode
+    reason: str
+    status: Status = Status.NOT_APPLICABLE
+
+
+# the split already patched in: a site of its own, not a refusal
+ALREADY = "the batch split is already a knob"
 
 
 @dataclass(frozen=True)

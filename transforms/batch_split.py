@@ -15,8 +15,8 @@ from autotune.syntax import (
 )
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._split_reads import (
-    Split, accumulation_of, enumerate_start, enumerated, last_micro_test, length_read, line_of, logging_if, parameters_of,
-    placed_split, position_of, read_elsewhere,
+    ALREADY, Refusal, Split, accumulation_of, enumerate_start, enumerated, last_micro_test, length_read, line_of,
+    logging_if, parameters_of, placed_split, position_of, read_elsewhere,
 )
 from autotune.transforms._step import CLIP
 from autotune.transforms.accelerator import ACCELERATORS
@@ -69,10 +69,9 @@ class BatchSplit(Transform):
         for at, found in found_at:
             if found is None:
                 continue
-            if isinstance(found, tuple):
-                node, reason = found
-                status = Status.PRESENT if reason.startswith("the batch split is already") else Status.NOT_APPLICABLE
-                self.report(facts, node, status, reason)
+            if isinstance(found, tuple):  # (node, reason), or a Refusal that also says its status
+                self.report(facts, found[0], found.status if isinstance(found, Refusal) else Status.NOT_APPLICABLE,
+                            found[1])
                 continue
             self.report(facts, at, Status.APPLICABLE, (
                 f"micro-batches of {found.micro} x {found.accumulation} accumulation steps: the split of each "
@@ -117,7 +116,7 @@ class BatchSplit(Transform):
             return if_, ("the loop is not `for i, batch in enumerate(loader)` nor `for i, start in enumerate(range(0, "
                          "n, batch_size))`: its micro-batches cannot be told")
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
-            return if_, "the batch split is already a knob"
+            return Refusal(if_, ALREADY, Status.PRESENT)
         logs: list[cst.If] = []
         for n in facts.nodes_in(node.body, cst.Name):
             if n.value == counter and names_variable(facts, n) and not facts.contains(if_.test, n):
@@ -173,7 +172,7 @@ class BatchSplit(Transform):
         accumulation = inner.iter.args[0].value  # type: ignore[attr-defined]
         code = facts.code(accumulation)
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
-            return inner, "the batch split is already a knob"
+            return Refusal(inner, ALREADY, Status.PRESENT)
         counter = inner.target.value if isinstance(inner.target, cst.Name) else None
         for n in facts.nodes_in(inner.body, cst.Name):
             if n.value == counter and names_variable(facts, n) and not last_micro_test(facts, n, code):
@@ -652,7 +651,7 @@ def _accumulation_keyword(facts: ModuleFacts, call: cst.Call, keyword: str):
     if accumulation is None or is_literal(accumulation, 1):
         return None
     if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
-        return call, "the batch split is already a knob"
+        return Refusal(call, ALREADY, Status.PRESENT)
     if not is_reference(accumulation):
         return call, f"{keyword}={facts.code(accumulation)} is not a variable or option of the script's own"
     return accumulation
