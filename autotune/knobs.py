@@ -41,7 +41,7 @@ class Role(str, Enum):
 class Knob:
     """One tunable setting: its choices, the default that reproduces the original, and where it applies."""
 
-    name: str  # "<transform>.<setting>", e.g. "autocast.dtype"
+    name: str  # "<transform>.<setting>": the transform's module name, a dot, the setting
     choices: tuple[Any, ...]
     default: Any
     numerics: Numerics
