@@ -4,6 +4,7 @@ the split would change refuses it), and the statement after which both are bound
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -151,19 +152,32 @@ def position_of(facts: ModuleFacts, statement: cst.BaseStatement) -> tuple[int, 
                           else statement)
 
 
+@dataclass(frozen=True)
+class Expected:
+    """The reads of the micro-batch size and the accumulation count that the split leaves right, besides their own
+    binding: the loss divided by the count in ``loop`` (or scaled back by it for a log line: the ``losses``' names),
+    their product where ``products`` (the samples per step), an epoch's optimizer steps over the training DataLoader
+    ``loader`` (``math.ceil(len(loader) / accum)``), the ends of the slices the micro-batch size sizes (``allowed``),
+    and the last micro-step's test; looked for ``within`` that node (the module where None)."""
+
+    loop: cst.CSTNode
+    losses: frozenset[str] = frozenset()
+    products: bool = False
+    within: cst.CSTNode | None = None
+    loader: str | None = None
+    allowed: frozenset[cst.CSTNode] = frozenset()
+
+
 def read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: cst.BaseExpression,
-                    loop: cst.CSTNode, losses: set[str] = frozenset(), products: bool = False,
-                    within: cst.CSTNode | None = None, loader: str | None = None,
-                    allowed: frozenset[cst.CSTNode] = frozenset()) -> tuple[cst.CSTNode, str] | None:
-    """(where, why) for a read of the micro-batch size or the accumulation count that the split would change (see
-    ``_other_use``; ``products``: their product, the samples per step, does not change; ``loader``: the training
-    DataLoader, whose ``math.ceil(len(loader) / accumulation)`` does not change either; ``allowed``: reads of the
-    micro-batch size that the split changes as it should, the ends of the slices it sizes), or None."""
+                   expected: Expected) -> tuple[cst.CSTNode, str] | None:
+    """(where, why) for a read of the micro-batch size or the accumulation count that the split would change (any
+    read but the ``expected`` ones), or None."""
     micro_code, code = facts.code(micro), facts.code(accumulation)
-    for expr_code, own, partner in ((micro_code, micro, code), (code, accumulation, micro_code)):
-        other = _other_use(facts, expr_code, own, loop, losses if own is accumulation else set(),
-                           partner if products else None, within, loader if own is accumulation else None,
-                           allowed if own is micro else frozenset())
+    as_micro = dataclasses.replace(expected, losses=frozenset(), loader=None)
+    as_count = dataclasses.replace(expected, allowed=frozenset())
+    for expr_code, own, partner, reads in ((micro_code, micro, code, as_micro),
+                                           (code, accumulation, micro_code, as_count)):
+        other = _other_use(facts, expr_code, own, reads, partner if expected.products else None)
         if other is not None:
             return other, f"{expr_code} is also read at line {line_of(facts, other)}: the split would change it"
     return None
@@ -216,12 +230,13 @@ def placed_split(facts: ModuleFacts, micro: str, accumulation: str, before: cst.
     return (at, after) if isinstance(after, str) else Split(micro, accumulation, after)
 
 
-def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, loop: cst.For, losses: set[str],
-               partner: str | None = None, within: cst.CSTNode | None = None,
-               loader: str | None = None, allowed: frozenset[cst.CSTNode] = frozenset()) -> cst.CSTNode | None:
-    """A read of ``code`` other than ``own``, the loss division in ``loop``, the loss scaled back for a log line
-    (``loss.item() * accum``: the last micro-batch's mean loss, whatever its size), a product with ``partner`` (the
-    samples per step, ``batch_size * accum * block_size``: unchanged) and the last micro-step's test, or None."""
+def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, expected: Expected,
+               partner: str | None) -> cst.CSTNode | None:
+    """A read of ``code`` other than ``own`` and the ``expected`` ones (the loss scaled back for a log line,
+    ``loss.item() * accum``, is the last micro-batch's mean loss whatever its size; a product with ``partner`` is the
+    samples per step, ``batch_size * accum * block_size``: unchanged), or None."""
+    loop, losses, within, loader, allowed = (expected.loop, expected.losses, expected.within, expected.loader,
+                                             expected.allowed)
     kind = cst.Attribute if "." in code else cst.Name
     for n in facts.nodes_in(within or facts.module, kind):
         if n is own or n in allowed or facts.code(n) != code or (isinstance(n, cst.Name) and not names_variable(facts, n)):

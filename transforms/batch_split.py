@@ -15,8 +15,8 @@ from autotune.syntax import (
 )
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._split_reads import (
-    ALREADY, Refusal, Split, accumulation_of, enumerate_start, enumerated, last_micro_test, length_read, line_of,
-    logging_if, parameters_of, placed_split, position_of, read_elsewhere,
+    ALREADY, Expected, Refusal, Split, accumulation_of, enumerate_start, enumerated, last_micro_test, length_read,
+    line_of, logging_if, parameters_of, placed_split, position_of, read_elsewhere,
 )
 from autotune.transforms._step import CLIP
 from autotune.transforms.accelerator import ACCELERATORS
@@ -138,14 +138,14 @@ class BatchSplit(Transform):
             if isinstance(sliced[1], str):
                 return sliced
             micro, uppers = sliced
-            read = read_elsewhere(facts, micro, accumulation, node, losses, allowed=uppers)
+            read = read_elsewhere(facts, micro, accumulation, Expected(node, frozenset(losses), allowed=uppers))
             built = before = facts.statement_of(node)
         else:
             found = _loader_size(facts, node, loader)
             if isinstance(found[1], str):
                 return found
             built, micro = found
-            read = read_elsewhere(facts, micro, accumulation, node, losses, loader=loader) or \
+            read = read_elsewhere(facts, micro, accumulation, Expected(node, frozenset(losses), loader=loader)) or \
                 length_read(facts, loader, code, node, if_.test)
             before = facts.statement_of(built)
         if read is not None:
@@ -192,7 +192,7 @@ class BatchSplit(Transform):
         losses = {facts.code(e) for e in scope.loss_exprs()}
         first = parameters_of(facts, [micro_code, code], before)
         within = facts.function_of(before) if first is not None else None  # parameters: read in their function only
-        read = read_elsewhere(facts, micro, accumulation, inner, losses, products=True, within=within)
+        read = read_elsewhere(facts, micro, accumulation, Expected(inner, frozenset(losses), True, within))
         if read is not None:
             return read
         counted = self._per_micro_step(facts, inner.body, None)
@@ -223,7 +223,7 @@ class BatchSplit(Transform):
         if refused is not None:
             return built, refused
         loader = argument(fit, 1, "train_dataloaders")
-        read = read_elsewhere(facts, micro, accumulation, call, products=True) or (
+        read = read_elsewhere(facts, micro, accumulation, Expected(call, products=True)) or (
             length_read(facts, loader.value, facts.code(accumulation), fit) if isinstance(loader, cst.Name) else None)
         if read is not None:
             return read
@@ -259,7 +259,7 @@ class BatchSplit(Transform):
         micro = _batch_size_of(facts, built)
         if isinstance(micro, str):
             return built, micro
-        read = read_elsewhere(facts, micro, accumulation, call, products=True, loader=it.value) or \
+        read = read_elsewhere(facts, micro, accumulation, Expected(call, products=True, loader=it.value)) or \
             length_read(facts, it.value, facts.code(accumulation), loop)
         if read is not None:
             return read
