@@ -389,6 +389,33 @@ def test_a_budget_too_small_for_the_least_search_is_refused_after_one_run_naming
         search.run()
 
 
+class CrowdedRunner(FakeRunner):
+    """Every run loses one of the machine's two processors to other work."""
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):
+        r = super().run(config, role, timeout, on_start, attrs)
+        return r.with_(contention={"own": 1.0, "others": 1.0, "steal": 0.0, "cores": 2.0, "span_s": 5.0})
+
+
+def test_a_budget_too_small_under_other_work_says_the_other_work_is_why(tmp_path, monkeypatch):
+    """word_language_model beside a busy process: its first run took 93 s (16x idle) and the 300 s search was refused
+    with only a budget to give; the refusal names the other work that slowed the run."""
+    from autotune.search.budget import BudgetTooSmall
+
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=40.0)
+    search.runner_factory = lambda *a, **k: CrowdedRunner(clock)
+    with pytest.raises(BudgetTooSmall) as refused:
+        search.run()
+    message = str(refused.value)
+    assert message.startswith("--time-budget 40s is too small for this script")
+    assert "other work on this machine took 1.0 of its 2 processors from that run's steps" in message
+    (tmp_path / "quiet").mkdir()
+    quiet, clock, _ = fake_search(tmp_path / "quiet", monkeypatch, time_budget=40.0)
+    with pytest.raises(BudgetTooSmall) as refused:
+        quiet.run()
+    assert "other work" not in str(refused.value)
+
+
 def test_a_compile_that_would_overrun_the_budget_is_stopped_and_confirmation_still_runs(tmp_path, monkeypatch):
     monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
     FakeRunner.compile_s = 400.0  # the first compiling trial cannot finish inside the budget

@@ -19,10 +19,12 @@ from autotune.errors import UsageError
 from autotune.knobs import Role
 from autotune.knobs import compiles as knobs_compile
 from autotune.files import OutDirLock, claim_out_dir
+from autotune.contention import BUSY_OTHERS
 from autotune.search.budget import (
     MIN_PAIRS,
     OUTPUT_S,
     SLACK,
+    BudgetTooSmall,
     Least,
     first_run_too_long,
     run_cost,
@@ -610,8 +612,17 @@ class Search:
         cost = run_cost(first.wall_s, first.step_time or 0.0, first.steps_done or sum(self.lengths))
         left = self.costs.time_left() if math.isfinite(self.deadline) else None
         asked = self.lengths
-        got = run_lengths(cost, *asked, self.o.lengthen and not self.o.train_steps, self._least(), left,
-                          self.clock() - self.started, self.o.budget or 0.0, first.run_steps)
+        try:
+            got = run_lengths(cost, *asked, self.o.lengthen and not self.o.train_steps, self._least(), left,
+                              self.clock() - self.started, self.o.budget or 0.0, first.run_steps)
+        except BudgetTooSmall as exc:  # where other work slowed the first run, the refusal says so
+            if first.others is None or first.others < BUSY_OTHERS or first.contention is None:
+                raise
+            raise BudgetTooSmall(
+                f"{exc}; other work on this machine took {first.others:.1f} of its {first.contention['cores']:.0f} "
+                "processors from that run's steps, so it ran at the machine's load, not the script's speed: stop "
+                "the other work and search again (a run on more threads than the processors left free waits for "
+                "whichever thread is descheduled)") from None
         self._set_lengths((got.warmup, got.steps), got.note)
         if sum(self.lengths) <= sum(asked):
             return False
