@@ -28,8 +28,8 @@ _SIZES = {"size", "numel", "dim"}
 
 def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[Marker]:
     """The markers before the loops of ``loop``'s run, outermost first (a bound that ends them all early before
-    them); one (loop, None, why, 0) where the run's length cannot be read. ``name``: the
-    file as the user reads it (relative to the project, so the patched code is the same wherever it lies)."""
+    them); one (loop, None, why, 0) where the run's length cannot be read. ``name``: the file as the user reads it
+    (relative to the project, so the patched code is the same wherever it lies)."""
     chain = [node for node in facts.loops
              if facts.contains(node, loop.node) and facts.function_of(node) is facts.function_of(loop.node)]
     callers = [node for f, node in loop.callers]
@@ -38,8 +38,8 @@ def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[Marker]:
     if callers and not all(facts.contains(a, b) or facts.contains(b, a) for a in callers for b in callers):
         return [Marker(loop.outer, None, "the training function is called from more than one loop", 0)]
     chain = sorted(callers, key=lambda n: facts.position(n)) + sorted(chain, key=lambda n: facts.position(n))
-    cap = None if callers or any(isinstance(node, cst.While) for node in chain) else _cap(facts, chain)
     assigned = set().union(*(assigned_names(facts, node) for node in chain))  # (a for loop's target too)
+    cap = None if callers or any(isinstance(node, cst.While) for node in chain) else _cap(facts, chain, assigned)
     out = []
     for node in chain:
         where = f"{name}:{facts.position(node)[0]}"
@@ -47,7 +47,8 @@ def markers(facts: ModuleFacts, loop: TrainingLoop, name: str) -> list[Marker]:
             counted = _while_count(facts, node) if node is chain[0] else None  # counted once, from its start
             if counted is None:
                 return [Marker(chain[0], None, f"the loop at {where} is a while loop that does not end on a counter's "
-                         "bound (`while step < n` or `if step >= n: break`): its length is known only as it ends", 0)]
+                               "bound (`while step < n` or `if step >= n: break`): its length is known only as it ends",
+                               0)]
             out.append((node, *counted))
             continue
         capped = cap.breaks if cap is not None else frozenset()
@@ -82,12 +83,13 @@ class _Cap(NamedTuple):
     breaks: frozenset[cst.BaseStatement]
 
 
-def _cap(facts: ModuleFacts, chain: list[cst.For | cst.While]) -> _Cap | None:
+def _cap(facts: ModuleFacts, chain: list[cst.For | cst.While], assigned: set[str]) -> _Cap | None:
     """The bound that ends all the loops of a run of for loops (a training script's ``--max-iters``): the innermost
     loop counts (``step += 1``, once, at its top level) and breaks on ``[cond and] step >= n`` at its top level, and
     every loop around it breaks on the same test at its own, so no step runs once the count is reached. ``step`` is
     bound nowhere else in the outermost loop, ``n`` and ``cond`` nowhere in it; no ``continue`` skips the count.
-    None for anything else (a break in the inner loop only runs one more step each epoch after it)."""
+    None for anything else (a break in the inner loop only runs one more step each epoch after it). ``assigned``:
+    the names the run's loops bind (a setting's way out of the inner loop is read against them)."""
     inner, outer = chain[-1], chain[0]
     if not all(isinstance(node.body, cst.IndentedBlock) for node in chain):
         return None
@@ -109,7 +111,7 @@ def _cap(facts: ModuleFacts, chain: list[cst.For | cst.While]) -> _Cap | None:
         breaks.add(same[0])
     reads = _names(facts, compare.comparisons[0].comparator).union(*(_names(facts, c) for c in conditions))
     # (a setting's way out, as word_language_model's dry run)
-    guards = _guards(facts, inner, frozenset(breaks), set().union(*(assigned_names(facts, n) for n in chain)))
+    guards = _guards(facts, inner, frozenset(breaks), assigned)
     if guards is None or reads & assigned_names(facts, outer.body) or _ends_early(
             inner, frozenset(breaks | set(guards)), continues=True):
         return None
