@@ -116,9 +116,11 @@ _save_checked = False
 def wrap_torch_save() -> None:
     """torch.save by file name writes from C++, unseen by the audit hook: check its path first."""
     global _save_checked
+    if _save_checked or _write_check is None:  # (runtime.step calls this after every optimizer step: return at once)
+        return
     torch = sys.modules.get("torch")
     save = getattr(torch, "save", None)
-    if _save_checked or save is None or _write_check is None:
+    if save is None:
         return
     _save_checked = True
     check = _write_check

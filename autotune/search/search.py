@@ -616,7 +616,7 @@ class Search:
             got = run_lengths(cost, *asked, self.o.lengthen and not self.o.train_steps, self._least(), left,
                               self.clock() - self.started, self.o.budget or 0.0, first.run_steps)
         except BudgetTooSmall as exc:  # where other work slowed the first run, the refusal says so
-            if first.others is None or first.others < BUSY_OTHERS or first.contention is None:
+            if first.others is None or first.others < BUSY_OTHERS:  # (others is read from its contention)
                 raise
             raise BudgetTooSmall(
                 f"{exc}; other work on this machine took {first.others:.1f} of its {first.contention['cores']:.0f} "
