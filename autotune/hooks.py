@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from autotune import run_length
+from autotune import loop_shapes, run_length
 from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
 from autotune.project import Project, StepScope, TrainingLoop, loss_expr
@@ -26,64 +26,13 @@ def _hook_losses(facts: ModuleFacts, exprs: list[cst.BaseExpression]) -> list[st
     return out
 
 
-def _batch_name(loop: TrainingLoop) -> str | None:
-    node = loop.node
-    if not isinstance(node, cst.For):
-        return None
-    target = node.target
-    if isinstance(node.iter, cst.Call) and isinstance(node.iter.func, cst.Name) and node.iter.func.value == "range":
-        return None  # counting steps, not iterating batches
-    if isinstance(node.iter, cst.Call) and isinstance(node.iter.func, cst.Name) and node.iter.func.value == "enumerate":
-        if isinstance(target, cst.Tuple) and len(target.elements) == 2:
-            target = target.elements[1].value
-        counted = node.iter.args[0].value if node.iter.args else None
-        if isinstance(counted, cst.Call) and isinstance(counted.func, cst.Name) and counted.func.value == "range":
-            # where each micro-batch starts: the batch is the first slice ``xb = x[start:...]`` the body takes
-            return _first_slice(node, target.value) if isinstance(target, cst.Name) else None
-    if isinstance(target, (cst.Tuple, cst.List)) and target.elements:
-        target = target.elements[0].value
-    return target.value if isinstance(target, cst.Name) else None
-
-
 def _micro_batch_name(facts: ModuleFacts, loop: TrainingLoop, scope: StepScope) -> str | None:
-    """The micro-batch of an inner accumulation loop (``for micro in range(accum):``) that holds every backward():
-    the first name bound there from ``next(...)``, ``get_batch(...)`` of the script's own or ``loader.next_batch()``
-    (``x, y = next(batches)``: ``x``), whose first dimension counts the step's samples; None where there is none."""
-    if loop.module is not facts or not scope.backward:
+    """The micro-batch of an inner accumulation loop that holds every backward(), whose first dimension counts the
+    step's samples; None where there is none."""
+    if loop.module is not facts:
         return None
-    inner = None
-    for node in facts.ancestors(scope.backward[0]):
-        if node is loop.node:
-            break
-        if isinstance(node, cst.For):
-            inner = node
-    if inner is None or not all(facts.contains(inner, b) for b in scope.backward):
-        return None
-    defined = {d.name.value for d in facts.module.body if isinstance(d, cst.FunctionDef)}
-    for assign in facts.nodes_in(inner.body, cst.Assign):
-        if not isinstance(assign.value, cst.Call) or len(assign.targets) != 1:
-            continue
-        func, target = assign.value.func, assign.targets[0].target
-        batches = (isinstance(func, cst.Name) and (func.value == "next" or func.value in defined)) or (
-            isinstance(func, cst.Attribute) and func.attr.value == "next_batch")
-        if isinstance(target, (cst.Tuple, cst.List)) and target.elements:
-            target = target.elements[0].value
-        if batches and isinstance(target, cst.Name):
-            return target.value
-    return None
-
-
-def _first_slice(loop: cst.For, start: str) -> str | None:
-    """``xb`` of the first statement ``xb = x[start:...]`` directly in the loop's body."""
-    for statement in loop.body.body:
-        small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and statement.body else None
-        if not (isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name)
-                and isinstance(small.value, cst.Subscript) and small.value.slice):
-            continue
-        bounds = small.value.slice[0].slice
-        if isinstance(bounds, cst.Slice) and isinstance(bounds.lower, cst.Name) and bounds.lower.value == start:
-            return small.targets[0].target.value
-    return None
+    inner = loop_shapes.micro_loop(facts, loop.node, scope)
+    return loop_shapes.micro_batch(facts, inner) if inner is not None else None
 
 
 def step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
@@ -118,12 +67,12 @@ def step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
             hooked.add(id(anchor))
             args = [] if counted else [code for code in losses if not unbound(facts, anchor, code, after=True)]
             hidden = hidden or (bool(losses) and not args)
-            batch = _batch_name(loop) if loop.module is facts and facts.contains(loop.node, anchor) else None
+            batch = loop_shapes.batch_of(loop.node) if loop.module is facts and facts.contains(loop.node, anchor) else None
             if batch is not None and batch not in args and not unbound(facts, anchor, batch, after=True):
                 args.append(f"batch={batch}")
             edits.insert_after(anchor, stmt(f"{edits.runtime('step')}({', '.join(args)})\n"))
         if hidden:
-            batch = _batch_name(loop) if counted else _micro_batch_name(facts, loop, scope)
+            batch = loop_shapes.batch_of(loop.node) if counted else _micro_batch_name(facts, loop, scope)
             _accumulate_hooks(facts, scope, edits, batch, hooked)
         if loop.module is facts and not any(facts.is_runtime_call(c, "loop_length") for c in facts.calls):
             name = facts.path.relative_to(project.root).as_posix()

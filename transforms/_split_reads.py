@@ -52,16 +52,6 @@ def last_micro_test(facts: ModuleFacts, name: cst.Name, accumulation: str) -> bo
             and isinstance(right.right, cst.Integer) and right.right.value == "1")
 
 
-def enumerated(loop: cst.For) -> tuple[str | None, cst.BaseExpression | None]:
-    """(counter, what it enumerates) of ``for i, batch in enumerate(loader)``."""
-    it, target = loop.iter, loop.target
-    if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "enumerate" and it.args):
-        return None, None
-    if not (isinstance(target, cst.Tuple) and len(target.elements) == 2 and isinstance(target.elements[0].value, cst.Name)):
-        return None, None
-    return target.elements[0].value.value, it.args[0].value
-
-
 def enumerate_start(loop: cst.For) -> int | None:
     """enumerate's start: 0, 1, or None where it is something else."""
     args = loop.iter.args  # type: ignore[attr-defined]
@@ -219,15 +209,15 @@ def _len_of(facts: ModuleFacts, node: cst.CSTNode, loader: str) -> bool:
             and isinstance(node.args[0].value, cst.Name) and node.args[0].value.value == loader)
 
 
-def placed_split(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseStatement, at: cst.CSTNode,
-            when: str) -> Split | tuple[cst.CSTNode, str]:
+def placed_split(facts: ModuleFacts, micro: str, accumulation: str, before: cst.BaseStatement, when: str) -> Split | str:
     """The split of ``micro`` and ``accumulation`` before ``before``: on entry of the function whose parameters they
-    are, else after the statement that binds them; or (``at``, why not)."""
+    are, else after the statement that binds them; or why not (``when``: what happens at ``before``, as the reason
+    says it: "the DataLoader is built")."""
     entry = parameters_of(facts, [micro, accumulation], before)
     if entry is not None:
         return Split(micro, accumulation, entry, first=True)
     after = _bound_once(facts, [micro, accumulation], before, when)
-    return (at, after) if isinstance(after, str) else Split(micro, accumulation, after)
+    return after if isinstance(after, str) else Split(micro, accumulation, after)
 
 
 def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, expected: Expected,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import libcst as cst
+import libcst.matchers as m
 
+from autotune import loop_shapes
 from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics, Role
 from autotune.project import TrainingLoop
@@ -15,7 +17,7 @@ from autotune.syntax import (
 )
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._split_reads import (
-    ALREADY, Expected, Refusal, Split, accumulation_of, enumerate_start, enumerated, last_micro_test, length_read,
+    ALREADY, Expected, Refusal, Split, accumulation_of, enumerate_start, last_micro_test, length_read,
     line_of, logging_if, parameters_of, placed_split, position_of, read_elsewhere,
 )
 from autotune.transforms._step import CLIP
@@ -101,8 +103,8 @@ class BatchSplit(Transform):
         if not scopes:
             return None
         scope = scopes[-1]
-        inner = _micro_loop(facts, node, scope)
-        if inner is not None:
+        inner = loop_shapes.micro_loop(facts, node, scope)
+        if inner is not None and is_reference(loop_shapes.micro_count(inner)):
             return self._inner_split(facts, loop, scope, inner)
         if not isinstance(node, cst.For):
             return None
@@ -110,9 +112,10 @@ class BatchSplit(Transform):
         if not conditions:
             return None  # the optimizer steps on every batch: nothing accumulates
         if_ = conditions[0]
-        counter, source = enumerated(node)
+        counted = loop_shapes.enumerated(node)
+        counter, source = (counted.counter, counted.iterated) if counted is not None else (None, None)
         loader = source.value if isinstance(source, cst.Name) else None
-        if counter is None or (loader is None and not _slice_starts(source)):
+        if counter is None or (loader is None and not _slice_starts(node)):
             return if_, ("the loop is not `for i, batch in enumerate(loader)` nor `for i, start in enumerate(range(0, "
                          "n, batch_size))`: its micro-batches cannot be told")
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
@@ -157,7 +160,7 @@ class BatchSplit(Transform):
         if changed is not None:
             return node, changed
         when = "the DataLoader is built" if loader is not None else "the slices are taken"
-        placed = placed_split(facts, facts.code(micro), code, before, built, when)
+        placed = _at(built, placed_split(facts, facts.code(micro), code, before, when))
         if logs and isinstance(placed, Split):
             lines = ", ".join(str(line_of(facts, log)) for log in dict.fromkeys(logs))
             placed = dataclasses.replace(placed, note=(
@@ -169,7 +172,7 @@ class BatchSplit(Transform):
         """The split of an inner micro-batch loop, ``for micro in range(accum):`` holding the backward and not the
         optimizer step, whose micro-batches come from ``next(iterator)`` of a DataLoader or from a function of the
         script's own that draws ``torch.randint(..., (batch_size,))`` indices (nanoGPT's ``get_batch``)."""
-        accumulation = inner.iter.args[0].value  # type: ignore[attr-defined]
+        accumulation = loop_shapes.micro_count(inner)
         code = facts.code(accumulation)
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return Refusal(inner, ALREADY, Status.PRESENT)
@@ -201,7 +204,7 @@ class BatchSplit(Transform):
         changed = self._changes_the_math()
         if changed is not None:
             return inner, changed
-        return placed_split(facts, micro_code, code, before, inner, "the micro-batches are drawn")
+        return _at(inner, placed_split(facts, micro_code, code, before, "the micro-batches are drawn"))
 
     def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> Split | tuple[cst.CSTNode, str] | None:
         """``trainer = L.Trainer(accumulate_grad_batches=args.accum)`` trained by ``trainer.fit(...)``, whose training
@@ -231,7 +234,8 @@ class BatchSplit(Transform):
         if changed is not None:
             return call, changed
         first = min((before, facts.statement_of(call)), key=lambda st: position_of(facts, st))
-        return placed_split(facts, facts.code(micro), facts.code(accumulation), first, call, "the Trainer and its data are built")
+        return _at(call, placed_split(facts, facts.code(micro), facts.code(accumulation), first,
+                                      "the Trainer and its data are built"))
 
     def _accelerate_split(self, facts: ModuleFacts, call: cst.Call) -> Split | tuple[cst.CSTNode, str] | None:
         """``Accelerator(gradient_accumulation_steps=args.accum)`` with a loop of the script's own that runs each
@@ -270,8 +274,8 @@ class BatchSplit(Transform):
         if changed is not None:
             return call, changed
         first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: position_of(facts, st))
-        return placed_split(facts, facts.code(micro), facts.code(accumulation), first, call,
-                       "the Accelerator and the DataLoader are built")
+        return _at(call, placed_split(facts, facts.code(micro), facts.code(accumulation), first,
+                                      "the Accelerator and the DataLoader are built"))
 
     def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None, accelerated: bool = False):
         """(where, why) for a scheduler step or a gradient clip that runs once per micro-batch in ``body`` (outside
@@ -362,28 +366,15 @@ def _summed_loss(project) -> str | None:
     return None
 
 
-def _micro_loop(facts: ModuleFacts, loop: cst.For | cst.While, scope) -> cst.For | None:
-    """The ``for micro in range(accum):`` loop inside ``loop`` that holds every backward of ``scope`` and none of
-    its optimizer steps, where ``accum`` is a variable or an attribute chain on one."""
-    if not scope.backward:
-        return None
-    for inner in facts.nodes_in(loop.body, cst.For):
-        if facts.function_of(inner) is not facts.function_of(loop):
-            continue
-        it = inner.iter
-        if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "range"
-                and len(it.args) == 1 and it.args[0].keyword is None and not it.args[0].star):
-            continue
-        if not all(facts.contains(inner.body, b) for b in scope.backward):
-            continue
-        if any(facts.contains(inner, step) for step in scope.steps):
-            continue
-        value = it.args[0].value
-        return inner if is_reference(value) else None
-    return None
+def _at(node: cst.CSTNode, placed: Split | str) -> Split | tuple[cst.CSTNode, str]:
+    """The split, or (``node``, why it cannot be placed)."""
+    return placed if isinstance(placed, Split) else (node, placed)
 
 
 RANDINT = "torch.randint"
+# ``range(0, n, step)``, positional
+_FROM_ZERO_BY = m.Call(func=m.Name("range"), args=[m.Arg(m.Integer("0"), keyword=None, star=""),
+                                                    m.Arg(keyword=None, star=""), m.Arg(keyword=None, star="")])
 
 
 def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, accumulation: str):
@@ -561,12 +552,11 @@ def _self_attribute(facts: ModuleFacts, size: cst.BaseExpression | None) -> str 
     return None
 
 
-def _slice_starts(source: cst.BaseExpression | None) -> bool:
-    """``range(0, n, batch_size)``: where each micro-batch starts, batch_size a variable of the script's."""
-    return (isinstance(source, cst.Call) and isinstance(source.func, cst.Name) and source.func.value == "range"
-            and len(source.args) == 3 and all(a.keyword is None and not a.star for a in source.args)
-            and isinstance(source.args[0].value, cst.Integer) and source.args[0].value.value == "0"
-            and is_reference(source.args[2].value))
+def _slice_starts(loop: cst.For) -> bool:
+    """``for i, start in enumerate(range(0, n, batch_size))``: where each micro-batch starts, batch_size a variable of
+    the script's."""
+    starts = loop_shapes.slice_starts(loop)
+    return starts is not None and m.matches(starts[1], _FROM_ZERO_BY) and is_reference(starts[1].args[2].value)
 
 
 def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
@@ -576,10 +566,7 @@ def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
     way); or (where, why not)."""
     micro = source.args[2].value
     code = facts.code(micro)
-    target = loop.target.elements[1].value  # type: ignore[attr-defined]
-    if not isinstance(target, cst.Name):
-        return loop, f"the loop's target {facts.code(target)} is not a name: where its micro-batches start is not known"
-    start = target.value
+    start = loop_shapes.slice_starts(loop)[0]  # type: ignore[index]
     stop = source.args[1].value
     if any(facts.code(n) == code for n in walk(stop, itself=True)):
         return source, f"the range's end {facts.code(stop)} reads {code}: a bigger micro-batch would end an epoch elsewhere"
