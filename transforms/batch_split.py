@@ -372,6 +372,7 @@ def _at(node: cst.CSTNode, placed: Split | str) -> Split | tuple[cst.CSTNode, st
 
 
 RANDINT = "torch.randint"
+_NEXT_OF_NAME = m.Call(func=m.Name("next"), args=[m.Arg(m.Name()), m.ZeroOrMore()])  # ``next(it)``, ``next(it, None)``
 # ``range(0, n, step)``, positional
 _FROM_ZERO_BY = m.Call(func=m.Name("range"), args=[m.Arg(m.Integer("0"), keyword=None, star=""),
                                                     m.Arg(keyword=None, star=""), m.Arg(keyword=None, star="")])
@@ -382,7 +383,7 @@ def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, accumu
     ``inner``, or (where, why not)."""
     for call in facts.nodes_in(inner.body, cst.Call):
         func = call.func
-        if isinstance(func, cst.Name) and func.value == "next" and call.args and isinstance(call.args[0].value, cst.Name):
+        if m.matches(call, _NEXT_OF_NAME):
             return _from_iterator(facts, inner, call.args[0].value.value, accumulation)
         if isinstance(func, cst.Name):
             defined = _function(facts, func.value)
@@ -570,20 +571,17 @@ def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
     stop = source.args[1].value
     if any(facts.code(n) == code for n in walk(stop, itself=True)):
         return source, f"the range's end {facts.code(stop)} reads {code}: a bigger micro-batch would end an epoch elsewhere"
+    # ``[start:start + batch_size]``
+    in_slice = m.Slice(lower=m.Name(start), step=None, upper=m.BinaryOperation(
+        left=m.Name(start), operator=m.Add(), right=m.MatchIfTrue(lambda right: facts.code(right) == code)))
     uppers: list[cst.CSTNode] = []
     for n in facts.nodes_in(loop.body, cst.Name):
         if n.value != start or not names_variable(facts, n):
             continue
         parent = facts.parent(n)
-        upper = parent if isinstance(parent, cst.BinaryOperation) else None
+        upper = parent if isinstance(parent, cst.BinaryOperation) else None  # ``start + batch_size``
         bounds = facts.parent(upper) if upper is not None else parent
-        if upper is not None and not (isinstance(upper.operator, cst.Add) and upper.left is n
-                                      and facts.code(upper.right) == code):
-            bounds = None
-        if isinstance(bounds, cst.Slice) and bounds.step is None and isinstance(bounds.lower, cst.Name) and \
-                bounds.lower.value == start and isinstance(bounds.upper, cst.BinaryOperation) and \
-                isinstance(bounds.upper.operator, cst.Add) and facts.code(bounds.upper.left) == start and \
-                facts.code(bounds.upper.right) == code and _first_dimension(facts, bounds):
+        if m.matches(bounds, in_slice) and (upper is None or upper is bounds.upper) and _first_dimension(facts, bounds):
             if upper is not None:
                 uppers.append(upper.right)
             continue
