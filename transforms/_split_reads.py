@@ -159,7 +159,7 @@ class Expected:
 
 
 def read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: cst.BaseExpression,
-                   expected: Expected) -> tuple[cst.CSTNode, str] | None:
+                   expected: Expected) -> Refusal | None:
     """(where, why) for a read of the micro-batch size or the accumulation count that the split would change (any
     read but the ``expected`` ones), or None."""
     micro_code, code = facts.code(micro), facts.code(accumulation)
@@ -169,12 +169,12 @@ def read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: 
                                            (code, accumulation, micro_code, as_count)):
         other = _other_use(facts, expr_code, own, reads, partner if expected.products else None)
         if other is not None:
-            return other, f"{expr_code} is also read at line {line_of(facts, other)}: the split would change it"
+            return Refusal(other, f"{expr_code} is also read at line {line_of(facts, other)}: the split would change it")
     return None
 
 
 def length_read(facts: ModuleFacts, loader: str, accumulation: str, loop: cst.CSTNode,
-                 test: cst.CSTNode | None = None) -> tuple[cst.CSTNode, str] | None:
+                 test: cst.CSTNode | None = None) -> Refusal | None:
     """(where, why) for ``len(loader)`` in the loop's function: the micro-batches of an epoch, which the split divides
     by k (a scheduler's length, an epoch's steps, a resume position); None where there is none, or where each is the
     optimizer steps of an epoch, ``math.ceil(len(loader) / accumulation)``, which the split leaves as it is
@@ -187,8 +187,8 @@ def length_read(facts: ModuleFacts, loader: str, accumulation: str, loop: cst.CS
             continue
         if _epoch_steps(facts, facts.parent(call), loader, accumulation):
             continue
-        return call, (f"len({loader}) at line {line_of(facts, call)} counts micro-batches: the split would change it (only "
-                      f"math.ceil(len({loader}) / {accumulation}), an epoch's optimizer steps, stays the same)")
+        return Refusal(call, (f"len({loader}) at line {line_of(facts, call)} counts micro-batches: the split would change it (only "
+                              f"math.ceil(len({loader}) / {accumulation}), an epoch's optimizer steps, stays the same)"))
     return None
 
 

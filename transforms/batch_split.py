@@ -71,9 +71,8 @@ class BatchSplit(Transform):
         for at, found in found_at:
             if found is None:
                 continue
-            if isinstance(found, tuple):  # (node, reason), or a Refusal that also says its status
-                self.report(facts, found[0], found.status if isinstance(found, Refusal) else Status.NOT_APPLICABLE,
-                            found[1])
+            if isinstance(found, Refusal):
+                self.report(facts, found.node, found.status, found.reason)
                 continue
             self.report(facts, at, Status.APPLICABLE, (
                 f"micro-batches of {found.micro} x {found.accumulation} accumulation steps: the split of each "
@@ -95,7 +94,7 @@ class BatchSplit(Transform):
                     f"if {found.micro} % {d} == 0:  # autotune: micro-batch /{d}, accumulation x{d}: same samples "
                     f"per step\n    {pair} = {found.micro} // {d}, {found.accumulation} * {d}\n"))
 
-    def _split(self, facts: ModuleFacts, loop: TrainingLoop) -> Split | tuple[cst.CSTNode, str] | None:
+    def _split(self, facts: ModuleFacts, loop: TrainingLoop) -> Split | Refusal | None:
         """The split of ``loop``'s accumulation, or (where, why not), or None where the loop does not accumulate
         over the batches it iterates."""
         node = loop.node
@@ -116,8 +115,8 @@ class BatchSplit(Transform):
         counter, source = (counted.counter, counted.iterated) if counted is not None else (None, None)
         loader = source.value if isinstance(source, cst.Name) else None
         if counter is None or (loader is None and not _slice_starts(node)):
-            return if_, ("the loop is not `for i, batch in enumerate(loader)` nor `for i, start in enumerate(range(0, "
-                         "n, batch_size))`: its micro-batches cannot be told")
+            return Refusal(if_, ("the loop is not `for i, batch in enumerate(loader)` nor `for i, start in enumerate(range(0, "
+                                 "n, batch_size))`: its micro-batches cannot be told"))
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return Refusal(if_, ALREADY, Status.PRESENT)
         logs: list[cst.If] = []
@@ -126,26 +125,26 @@ class BatchSplit(Transform):
                 log = logging_if(facts, n, node)
                 if log is None:
                     line = line_of(facts, n)
-                    return n, f"{counter} counts micro-batches (line {line}): the split changes it"
+                    return Refusal(n, f"{counter} counts micro-batches (line {line}): the split changes it")
                 logs.append(log)
         accumulation = accumulation_of(facts, if_.test, counter, enumerate_start(node), loader)
         if accumulation is None:
-            return if_, (f"the optimizer step's condition `{facts.code(if_.test)}` is not `({counter} + 1) % "
-                         f"accumulation == 0` (or that, `or {counter} + 1 == len(loader)`)")
+            return Refusal(if_, (f"the optimizer step's condition `{facts.code(if_.test)}` is not `({counter} + 1) % "
+                                 f"accumulation == 0` (or that, `or {counter} + 1 == len(loader)`)"))
         code = facts.code(accumulation)
         if not any(_divides(facts, n, code) for n in walk(node.body, itself=True)):
-            return if_, f"the loss is not divided by {code}: the split would change the gradient's scale"
+            return Refusal(if_, f"the loss is not divided by {code}: the split would change the gradient's scale")
         losses = {facts.code(e) for e in scope.loss_exprs()}
         if loader is None:  # slices [start:start + batch_size] of the script's tensors
             sliced = _sliced(facts, node, source)
-            if isinstance(sliced[1], str):
+            if isinstance(sliced, Refusal):
                 return sliced
             micro, uppers = sliced
             read = read_elsewhere(facts, micro, accumulation, Expected(node, frozenset(losses), allowed=uppers))
             built = before = facts.statement_of(node)
         else:
             found = _loader_size(facts, node, loader)
-            if isinstance(found[1], str):
+            if isinstance(found, Refusal):
                 return found
             built, micro = found
             read = read_elsewhere(facts, micro, accumulation, Expected(node, frozenset(losses), loader=loader)) or \
@@ -158,7 +157,7 @@ class BatchSplit(Transform):
             return counted
         changed = self._changes_the_math()
         if changed is not None:
-            return node, changed
+            return Refusal(node, changed)
         when = "the DataLoader is built" if loader is not None else "the slices are taken"
         placed = _at(built, placed_split(facts, facts.code(micro), code, before, when))
         if logs and isinstance(placed, Split):
@@ -168,7 +167,7 @@ class BatchSplit(Transform):
                 f"the script logs 1/k as often (x2: half as often), the training the same"))
         return placed
 
-    def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> Split | tuple[cst.CSTNode, str]:
+    def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> Split | Refusal:
         """The split of an inner micro-batch loop, ``for micro in range(accum):`` holding the backward and not the
         optimizer step, whose micro-batches come from ``next(iterator)`` of a DataLoader or from a function of the
         script's own that draws ``torch.randint(..., (batch_size,))`` indices (nanoGPT's ``get_batch``)."""
@@ -179,19 +178,19 @@ class BatchSplit(Transform):
         counter = inner.target.value if isinstance(inner.target, cst.Name) else None
         for n in facts.nodes_in(inner.body, cst.Name):
             if n.value == counter and names_variable(facts, n) and not last_micro_test(facts, n, code):
-                return n, f"{counter} counts micro-batches (line {line_of(facts, n)}): the split changes it"
+                return Refusal(n, f"{counter} counts micro-batches (line {line_of(facts, n)}): the split changes it")
         if not any(_divides(facts, n, code) for n in walk(inner.body, itself=True)):
-            return inner, f"the loss is not divided by {code}: the split would change the gradient's scale"
+            return Refusal(inner, f"the loss is not divided by {code}: the split would change the gradient's scale")
         source = _micro_source(facts, loop, inner, code)
-        if isinstance(source[1], str):
+        if isinstance(source, Refusal):
             return source
         micro, before = source
         micro_code = facts.code(micro)
         for call in facts.calls:
             if isinstance(call.func, cst.Name) and call.func.value in ("exec", "globals") and \
                     facts.qualname(call.func) in (call.func.value, f"builtins.{call.func.value}", None):
-                return call, (f"{call.func.value}() at line {line_of(facts, call)} may rebind {micro_code} and {code}: "
-                              "their values where the split is made are not known")
+                return Refusal(call, (f"{call.func.value}() at line {line_of(facts, call)} may rebind {micro_code} and {code}: "
+                                      "their values where the split is made are not known"))
         losses = {facts.code(e) for e in scope.loss_exprs()}
         first = parameters_of(facts, [micro_code, code], before)
         within = facts.function_of(before) if first is not None else None  # parameters: read in their function only
@@ -203,10 +202,10 @@ class BatchSplit(Transform):
             return counted
         changed = self._changes_the_math()
         if changed is not None:
-            return inner, changed
+            return Refusal(inner, changed)
         return _at(inner, placed_split(facts, micro_code, code, before, "the micro-batches are drawn"))
 
-    def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> Split | tuple[cst.CSTNode, str] | None:
+    def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> Split | Refusal | None:
         """``trainer = L.Trainer(accumulate_grad_batches=args.accum)`` trained by ``trainer.fit(...)``, whose training
         DataLoader's batch size is a variable of the script: the DataLoader given to fit, or the one the
         LightningDataModule (or LightningModule) builds in ``train_dataloader`` from ``self.batch_size`` or
@@ -217,14 +216,14 @@ class BatchSplit(Transform):
             return accumulation
         fit = _fit_of(facts, call)
         if fit is None:
-            return call, "no trainer.fit(...) of this Trainer is found: which DataLoader it trains on is not known"
+            return Refusal(call, "no trainer.fit(...) of this Trainer is found: which DataLoader it trains on is not known")
         source = _lightning_loader(self.project, facts, fit)
-        if isinstance(source[1], str):
+        if isinstance(source, Refusal):
             return source
         micro, built, before = source
         refused = _loader_refuses(built)
         if refused is not None:
-            return built, refused
+            return Refusal(built, refused)
         loader = argument(fit, 1, "train_dataloaders")
         read = read_elsewhere(facts, micro, accumulation, Expected(call, products=True)) or (
             length_read(facts, loader.value, facts.code(accumulation), fit) if isinstance(loader, cst.Name) else None)
@@ -232,12 +231,12 @@ class BatchSplit(Transform):
             return read
         changed = self._changes_the_math()
         if changed is not None:
-            return call, changed
+            return Refusal(call, changed)
         first = min((before, facts.statement_of(call)), key=lambda st: position_of(facts, st))
         return _at(call, placed_split(facts, facts.code(micro), facts.code(accumulation), first,
                                       "the Trainer and its data are built"))
 
-    def _accelerate_split(self, facts: ModuleFacts, call: cst.Call) -> Split | tuple[cst.CSTNode, str] | None:
+    def _accelerate_split(self, facts: ModuleFacts, call: cst.Call) -> Split | Refusal | None:
         """``Accelerator(gradient_accumulation_steps=args.accum)`` with a loop of the script's own that runs each
         micro-batch ``with accelerator.accumulate(model):`` over a DataLoader built with a batch size of the
         script's: Accelerate divides each micro-batch's loss by the count and steps on the last of each count."""
@@ -248,21 +247,21 @@ class BatchSplit(Transform):
                  and facts.function_of(loop.node) is facts.function_of(call)]
         inside = [loop for loop in loops if any(_accumulate_context(facts, w) for w in facts.nodes_in(loop.node, cst.With))]
         if not inside:
-            return call, "no loop runs its micro-batches `with accelerator.accumulate(model):`: Accelerate does not " \
-                         "accumulate them"
+            return Refusal(call, "no loop runs its micro-batches `with accelerator.accumulate(model):`: Accelerate "
+                                 "does not accumulate them")
         loop = inside[0].node
         it = loop.iter.args[0].value if isinstance(loop.iter, cst.Call) and isinstance(loop.iter.func, cst.Name) \
             and loop.iter.func.value == "enumerate" and loop.iter.args else loop.iter
         if not isinstance(it, cst.Name):
-            return loop, f"the loop iterates {facts.code(it)}, not a DataLoader by name: its batch size is not known"
+            return Refusal(loop, f"the loop iterates {facts.code(it)}, not a DataLoader by name: its batch size is not known")
         built = [a.value for a in assignments(facts, scope_of(facts, loop), it.value, before=loop)
                  if isinstance(a.value, cst.Call) and facts.qualname(a.value.func) in DATALOADERS]
         if len(built) != 1:
-            return loop, f"{it.value} is not built by one DataLoader(...) in this function: its batch size is not known"
+            return Refusal(loop, f"{it.value} is not built by one DataLoader(...) in this function: its batch size is not known")
         built = built[0]
         micro = _batch_size_of(facts, built)
         if isinstance(micro, str):
-            return built, micro
+            return Refusal(built, micro)
         read = read_elsewhere(facts, micro, accumulation, Expected(call, products=True, loader=it.value)) or \
             length_read(facts, it.value, facts.code(accumulation), loop)
         if read is not None:
@@ -272,7 +271,7 @@ class BatchSplit(Transform):
             return counted
         changed = self._changes_the_math()
         if changed is not None:
-            return call, changed
+            return Refusal(call, changed)
         first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: position_of(facts, st))
         return _at(call, placed_split(facts, facts.code(micro), facts.code(accumulation), first,
                                       "the Accelerator and the DataLoader are built"))
@@ -295,11 +294,11 @@ class BatchSplit(Transform):
                     continue
             if isinstance(func, cst.Attribute) and func.attr.value == "step" and \
                     facts.code(func.value) in self.project.scheduler_names:
-                return call, (f"{facts.code(func.value)}.step() at line {line_of(facts, call)} runs once per "
-                              "micro-batch: the split would change the learning-rate schedule")
+                return Refusal(call, (f"{facts.code(func.value)}.step() at line {line_of(facts, call)} runs once per "
+                                      "micro-batch: the split would change the learning-rate schedule"))
             if qual in CLIP:
-                return call, (f"{qual.rsplit('.', 1)[-1]} at line {line_of(facts, call)} clips each micro-batch's "
-                              "gradients: the split would change what is clipped")
+                return Refusal(call, (f"{qual.rsplit('.', 1)[-1]} at line {line_of(facts, call)} clips each micro-batch's "
+                                      "gradients: the split would change what is clipped"))
         return None
 
     def _changes_the_math(self) -> str | None:
@@ -366,9 +365,9 @@ def _summed_loss(project) -> str | None:
     return None
 
 
-def _at(node: cst.CSTNode, placed: Split | str) -> Split | tuple[cst.CSTNode, str]:
+def _at(node: cst.CSTNode, placed: Split | str) -> Split | Refusal:
     """The split, or (``node``, why it cannot be placed)."""
-    return placed if isinstance(placed, Split) else (node, placed)
+    return placed if isinstance(placed, Split) else Refusal(node, placed)
 
 
 RANDINT = "torch.randint"
@@ -389,8 +388,8 @@ def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, accumu
             defined = _function(facts, func.value)
             if defined is not None and any(facts.qualname(c.func) == RANDINT for c in facts.nodes_in(defined, cst.Call)):
                 return _from_sampler(facts, loop, inner, defined)
-    return inner, ("the micro-batches of the inner loop come neither from next() of a DataLoader's iterator nor from a "
-                   "function of the script's that draws torch.randint indices: their size is not known")
+    return Refusal(inner, ("the micro-batches of the inner loop come neither from next() of a DataLoader's iterator nor from a "
+                           "function of the script's that draws torch.randint indices: their size is not known"))
 
 
 def _function(facts: ModuleFacts, name: str) -> cst.FunctionDef | None:
@@ -408,13 +407,13 @@ def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str, accumulation: 
         value = assign.value
         if not (isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "iter"
                 and value.args and isinstance(value.args[0].value, cst.Name)):
-            return assign, f"{name} = {facts.code(value)}: not iter() of a DataLoader, its batches' size is not known"
+            return Refusal(assign, f"{name} = {facts.code(value)}: not iter() of a DataLoader, its batches' size is not known")
         loaders.add(value.args[0].value.value)
     if len(loaders) != 1:
-        return inner, f"next({name}): {name} is not bound to iter() of one DataLoader"
+        return Refusal(inner, f"next({name}): {name} is not bound to iter() of one DataLoader")
     (loader,) = loaders
     found = _loader_size(facts, inner, loader)
-    if isinstance(found[1], str):
+    if isinstance(found, Refusal):
         return found
     built, micro = found
     return length_read(facts, loader, accumulation, inner) or (micro, facts.statement_of(built))
@@ -427,7 +426,7 @@ def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, define
     name = defined.name.value
     draws = [c for c in facts.nodes_in(defined, cst.Call) if facts.qualname(c.func) == RANDINT]
     if len(draws) != 1:
-        return defined, f"{name}() draws torch.randint {len(draws)} times: which one is the micro-batch is not known"
+        return Refusal(defined, f"{name}() draws torch.randint {len(draws)} times: which one is the micro-batch is not known")
     draw = draws[0]
     size = argument(draw, None, "size")
     if size is None:
@@ -437,14 +436,14 @@ def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, define
     micro = elements[0].value if len(elements) == 1 else None
     if not is_reference(micro):
         shown = facts.code(size) if size is not None else "no size"
-        return draw, f"torch.randint's size {shown} is not (batch_size,) of a variable of the script's own"
+        return Refusal(draw, f"torch.randint's size {shown} is not (batch_size,) of a variable of the script's own")
     base = micro.value if isinstance(micro, cst.Name) else facts.code(micro).split(".", 1)[0]
     if assignments(facts, defined, base) or any(p.name.value == base for p in defined.params.params):
-        return draw, f"{base} is {name}()'s own: the micro-batch size is not a setting of the script"
+        return Refusal(draw, f"{base} is {name}()'s own: the micro-batch size is not a setting of the script")
     device = argument(draw, None, "device")
     if device is not None and not (isinstance(device, cst.SimpleString) and device.evaluated_value == "cpu"):
-        return draw, (f"torch.randint(device={facts.code(device)}): a bigger draw on an accelerator's generator is "
-                      "not the smaller draws it replaces")
+        return Refusal(draw, (f"torch.randint(device={facts.code(device)}): a bigger draw on an accelerator's generator is "
+                              "not the smaller draws it replaces"))
     calls = [c for c in facts.calls if isinstance(c.func, cst.Name) and c.func.value == name]
     outer_function = facts.function_of(loop.outer)
     for call in calls:
@@ -453,8 +452,8 @@ def _from_sampler(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, define
         ahead = facts.function_of(call) is outer_function and facts.block_of(facts.statement_of(call)) is \
             facts.block_of(loop.outer) and facts.position(call) < facts.position(loop.outer)
         if not ahead:
-            return call, (f"{name}() is also called at line {line_of(facts, call)}: a bigger {facts.code(micro)} would "
-                          "change what it draws there, and the draws after it")
+            return Refusal(call, (f"{name}() is also called at line {line_of(facts, call)}: a bigger {facts.code(micro)} would "
+                                  "change what it draws there, and the draws after it"))
     first = min(calls, key=facts.position)
     return micro, facts.statement_of(first)
 
@@ -491,40 +490,40 @@ def _lightning_loader(project, facts: ModuleFacts, fit: cst.Call):
         found = assignments(facts, scope_of(facts, fit), loader.value, before=fit)
         value = found[0].value if len(found) == 1 else None
         if not (isinstance(value, cst.Call) and facts.qualname(value.func) in DATALOADERS):
-            return fit, f"{loader.value} is not one DataLoader(...) of this function: its batch size is not known"
+            return Refusal(fit, f"{loader.value} is not one DataLoader(...) of this function: its batch size is not known")
         micro = argument(value, 1, "batch_size")
         if not is_reference(micro):
-            return value, "the DataLoader's batch size is not a variable or option of the script's own"
+            return Refusal(value, "the DataLoader's batch size is not a variable or option of the script's own")
         return micro, value, facts.statement_of(value)
     holder = datamodule if datamodule is not None else (loader if loader is not None else argument(fit, 0, "model"))
     if not isinstance(holder, cst.Name):
-        return fit, "the training data are not given by name to fit(): their batch size is not known"
+        return Refusal(fit, "the training data are not given by name to fit(): their batch size is not known")
     found = assignments(facts, scope_of(facts, fit), holder.value, before=fit)
     built = found[0].value if len(found) == 1 else None
     if not isinstance(built, cst.Call):
-        return fit, f"{holder.value} is not built once in this function: its batch size is not known"
+        return Refusal(fit, f"{holder.value} is not built once in this function: its batch size is not known")
     cls = _local_class(project, facts, built.func)
     if cls is None:
-        return built, f"{facts.code(built.func)} is not a class of the script's: how it batches is not known"
+        return Refusal(built, f"{facts.code(built.func)} is not a class of the script's: how it batches is not known")
     method = next((m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "train_dataloader"),
                   None)
     init = next((m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None)
     owner = next(f for f in project.modules if f.contains(f.module, cls))
     loaders = [c for c in owner.nodes_in(method, cst.Call) if owner.qualname(c.func) in DATALOADERS] if method else []
     if len(loaders) != 1 or init is None:
-        return built, f"{cls.name.value}.train_dataloader does not build one DataLoader: its batch size is not known"
+        return Refusal(built, f"{cls.name.value}.train_dataloader does not build one DataLoader: its batch size is not known")
     size = argument(loaders[0], 1, "batch_size")
     attr = _self_attribute(owner, size)
     if attr is None:
-        return loaders[0], (f"{cls.name.value}'s DataLoader batch size {owner.code(size) if size else '(1)'} is not "
-                            "self.<name> or self.hparams.<name>: where it comes from is not known")
+        return Refusal(loaders[0], (f"{cls.name.value}'s DataLoader batch size {owner.code(size) if size else '(1)'} is not "
+                                    "self.<name> or self.hparams.<name>: where it comes from is not known"))
     params = [p.name.value for p in init.params.params]
     if attr not in params:
-        return loaders[0], f"{attr} is not a parameter of {cls.name.value}.__init__: where it comes from is not known"
+        return Refusal(loaders[0], f"{attr} is not a parameter of {cls.name.value}.__init__: where it comes from is not known")
     micro = argument(built, params.index(attr) - 1, attr)
     if not is_reference(micro):
         shown = facts.code(micro) if micro is not None else f"{cls.name.value}'s default"
-        return built, f"the batch size {shown} is not a variable or option of the script's own"
+        return Refusal(built, f"the batch size {shown} is not a variable or option of the script's own")
     return micro, loaders[0] if owner is facts else built, facts.statement_of(built)
 
 
@@ -570,7 +569,7 @@ def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
     start = loop_shapes.slice_starts(loop)[0]  # type: ignore[index]
     stop = source.args[1].value
     if any(facts.code(n) == code for n in walk(stop, itself=True)):
-        return source, f"the range's end {facts.code(stop)} reads {code}: a bigger micro-batch would end an epoch elsewhere"
+        return Refusal(source, f"the range's end {facts.code(stop)} reads {code}: a bigger micro-batch would end an epoch elsewhere")
     # ``[start:start + batch_size]``
     in_slice = m.Slice(lower=m.Name(start), step=None, upper=m.BinaryOperation(
         left=m.Name(start), operator=m.Add(), right=m.MatchIfTrue(lambda right: facts.code(right) == code)))
@@ -585,10 +584,10 @@ def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
             if upper is not None:
                 uppers.append(upper.right)
             continue
-        return n, (f"{start} is read at line {line_of(facts, n)} other than as a slice [{start}:{start} + {code}] of a "
-                   "tensor's first dimension: what a bigger micro-batch would read there is not known")
+        return Refusal(n, (f"{start} is read at line {line_of(facts, n)} other than as a slice [{start}:{start} + {code}] of a "
+                           "tensor's first dimension: what a bigger micro-batch would read there is not known"))
     if not uppers:
-        return loop, f"no slice [{start}:{start} + {code}] in the loop: where its micro-batches come from is not known"
+        return Refusal(loop, f"no slice [{start}:{start} + {code}] in the loop: where its micro-batches come from is not known")
     return micro, frozenset(uppers)
 
 
@@ -612,8 +611,9 @@ def _loader_size(facts: ModuleFacts, loop: cst.For, loader: str):
     """(the ``DataLoader(...)`` call ``loader`` is bound to, its batch size's expression), or (where, why not)."""
     built = _loader_call(facts, loop, loader)
     if isinstance(built, str):
-        return loop, built
-    return built, _batch_size_of(facts, built)
+        return Refusal(loop, built)
+    size = _batch_size_of(facts, built)
+    return Refusal(built, size) if isinstance(size, str) else (built, size)
 
 
 def _loader_call(facts: ModuleFacts, loop: cst.For, loader: str) -> cst.Call | str:
@@ -638,7 +638,7 @@ def _accumulation_keyword(facts: ModuleFacts, call: cst.Call, keyword: str):
     if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
         return Refusal(call, ALREADY, Status.PRESENT)
     if not is_reference(accumulation):
-        return call, f"{keyword}={facts.code(accumulation)} is not a variable or option of the script's own"
+        return Refusal(call, f"{keyword}={facts.code(accumulation)} is not a variable or option of the script's own")
     return accumulation
 
 
