@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from autotune import __version__
 from autotune.analysis import source_lines
@@ -118,13 +119,13 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
     loops = _loops_summary(project)
     if loops:
         where = ", ".join(f"{l['path']}:{l['line']}" for l in loops)
-        console.print(f"[bold]{args.path}[/]: {len(project.modules)} file(s), training loop(s) at {where}")
+        console.print(f"[bold]{escape(args.path)}[/]: {len(project.modules)} file(s), training loop(s) at {escape(where)}")
     elif project.tuned_frameworks():
         f = project.tuned_frameworks()[0]
-        console.print(f"[bold]{args.path}[/]: {len(project.modules)} file(s), training runs inside {f.framework} "
-                      f"({f.where()}): its settings are the knobs")
+        console.print(f"[bold]{escape(args.path)}[/]: {len(project.modules)} file(s), training runs inside "
+                      f"{escape(str(f.framework))} ({escape(f.where())}): its settings are the knobs")
     else:
-        console.print(f"[bold]{args.path}[/]: {project.no_loop_reason()}")
+        console.print(f"[bold]{escape(args.path)}[/]: {escape(project.no_loop_reason())}")
     from rich.table import Table  # only here: start-up is part of every command's time
 
     table = Table(show_lines=False)
@@ -132,7 +133,8 @@ def cmd_scan(args: argparse.Namespace, console: Console) -> int:
         table.add_column(col)
     for s in sites:
         style = STATUS_STYLE[s.status]
-        table.add_row(s.transform, s.location, f"[{style}]{s.status}[/]", s.reason)
+        # the script's own text (its path, code in a reason: ``x[start:start + batch_size]``) is not markup
+        table.add_row(s.transform, escape(s.location), f"[{style}]{s.status}[/]", escape(s.reason))
     if sites:
         console.print(table)
     counts = {st: sum(s.status is st for s in sites) for st in Status}

@@ -340,3 +340,18 @@ def test_search_lengthens_cheap_runs_only_where_the_user_left_the_run_lengths_to
     with pytest.raises(_Asked):
         main(["search", str(CNN), "--out", str(tmp_path / "out"), *given])
     assert asked[0].lengthen is lengthen and (asked[0].warmup, asked[0].steps) == lengths
+
+
+def test_scan_prints_the_scripts_own_text_in_a_reason_as_written(tmp_path, capsys, monkeypatch):
+    # a reason that quotes code with brackets (``[start:start + batch_size]``) is the script's text, not rich markup
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nbatch_size, accum = 4, 2\nx = torch.randn(32, 8)\n"
+        "model = nn.Linear(8, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for i, start in enumerate(range(0, 32, batch_size)):\n"
+        "    loss = model(x[start:start + batch_size]).mean() / accum\n    loss.backward()\n    print(start)\n"
+        "    if (i + 1) % accum == 0:\n        opt.step()\n        opt.zero_grad()\n")
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["scan", str(script), "--only", "batch_split"]) == 0
+    out = capsys.readouterr().out
+    assert "[start:start + batch_size]" in out, out
