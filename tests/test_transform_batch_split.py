@@ -351,7 +351,50 @@ def test_an_inner_loop_over_a_loaders_iterator_is_not_split_where_its_length_is_
         "math.ceil(len(loader) / accumulation), an epoch's optimizer steps, stays the same)")]
 
 
-@pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants", "sliced"])
+INDEXED = '''
+import torch
+from torch import nn
+batch_size = 4
+accum = 4
+rows = torch.randn(512, 8)
+def get_batch(step, micro, size):
+    start = {start}
+    {inside}
+    return rows[start:start + size]
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{extra}
+for it in range(20):
+    for micro in range(accum):
+        loss = model(get_batch(it, {index}, batch_size)).pow(2).mean() / accum
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+@pytest.mark.parametrize("parts, reason", [
+    ({}, None),  # the rows of the steps before, then the micro-batch's: split, the same rows
+    ({"start": "micro * size"}, None),
+    ({"start": "size * micro + 7"}, None),  # an offset that reads neither size nor accum
+    ({"start": "(step * accum + micro) * size"}, "micro is read at line 8 other than as micro * batch_size: which rows "
+                                                 "get_batch() takes at a bigger micro-batch is not known"),
+    ({"start": "step * size + micro * size"}, "the offset step * size of the rows' start reads size or accum other than "
+                                              "as their product: the split would move it"),
+    ({"inside": "print(size)"}, "size is read at line 9 in get_batch() other than in the rows' start and length: the "
+                                "split would change it"),
+    ({"index": "micro + 1"}, "micro counts micro-batches (line 16): the split changes it"),
+    # an evaluation that takes its rows with the same batch size would take other rows after the split
+    ({"extra": "print(get_batch(0, 0, batch_size))"}, "batch_size is also read at line 13: the split would change it"),
+])
+def test_rows_picked_by_the_micro_index_are_split_only_where_the_same_rows_are_taken(tmp_path, parts, reason):
+    defaults = {"start": "step * accum * size + micro * size", "inside": "pass", "index": "micro", "extra": ""}
+    expected = [(Status.APPLICABLE, None)] if reason is None else [(Status.NOT_APPLICABLE, reason)]
+    found = _scan_template(tmp_path, INDEXED, defaults, parts)
+    assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == expected
+
+
+@pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants", "sliced", "indexed"])
 def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_path, name):
     # constants: the split of two module-level settings goes after the second (it once went between them)
     original = losses(tmp_path, "original", case("batch_split", name).read_text())
@@ -359,16 +402,18 @@ def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_p
     assert patched == original
 
 
-@pytest.mark.parametrize("name", ["sampled", "micro_loop", "sliced"])
+@pytest.mark.parametrize("name", ["sampled", "micro_loop", "sliced", "indexed"])
 def test_other_shapes_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path, name):
     # sampled: one torch.randint draw of 4 x 4 indices on the CPU generator is the four draws of 4 it replaces;
-    # sliced: one slice of 4 x 8 rows is the four slices of 8 it replaces
+    # sliced: one slice of 4 x 8 rows is the four slices of 8 it replaces; indexed: the rows from micro' * 4 x 4 on
+    # are the rows of the four micro-batches from micro * 4 on
     script = _patched_script(tmp_path, name)
     base = trial(script, [], tmp_path, warmup=1, steps=3)
     split = trial(script, [], tmp_path, knobs={"batch_split.factor": 4}, warmup=1, steps=3)
     assert base["status"] == split["status"] == "ok", split["error"]
     assert split["applied"] == ["batch_split.factor"] and base["applied"] == []
-    assert base["batch_size"] == split["batch_size"] == {"sampled": 32, "micro_loop": 32, "sliced": 64}[name]  # per step
+    assert base["batch_size"] == split["batch_size"] == {"sampled": 32, "micro_loop": 32, "sliced": 64,
+                                                       "indexed": 32}[name]  # per step
     flat = [v for row in split["losses"] for v in row]
     assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)
 

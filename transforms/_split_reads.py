@@ -164,7 +164,7 @@ def read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: 
     read but the ``expected`` ones), or None."""
     micro_code, code = facts.code(micro), facts.code(accumulation)
     as_micro = dataclasses.replace(expected, losses=frozenset(), loader=None)
-    as_count = dataclasses.replace(expected, allowed=frozenset())
+    as_count = expected
     for expr_code, own, partner, reads in ((micro_code, micro, code, as_micro),
                                            (code, accumulation, micro_code, as_count)):
         other = _other_use(facts, expr_code, own, reads, partner if expected.products else None)

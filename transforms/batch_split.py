@@ -16,6 +16,7 @@ from autotune.syntax import (
     argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, walk,
 )
 from autotune.transform import Edits, Status, Transform
+from autotune.transforms._split_indexed import from_indexed, indexed_call
 from autotune.transforms._split_reads import (
     ALREADY, Expected, Refusal, Split, accumulation_of, enumerate_start, last_micro_test, length_read,
     line_of, logging_if, parameters_of, placed_split, position_of, read_elsewhere,
@@ -169,22 +170,28 @@ class BatchSplit(Transform):
 
     def _inner_split(self, facts: ModuleFacts, loop: TrainingLoop, scope, inner: cst.For) -> Split | Refusal:
         """The split of an inner micro-batch loop, ``for micro in range(accum):`` holding the backward and not the
-        optimizer step, whose micro-batches come from ``next(iterator)`` of a DataLoader or from a function of the
-        script's own that draws ``torch.randint(..., (batch_size,))`` indices (nanoGPT's ``get_batch``)."""
+        optimizer step, whose micro-batches come from ``next(iterator)`` of a DataLoader, from a function of the
+        script's own that draws ``torch.randint(..., (batch_size,))`` indices (nanoGPT's ``get_batch``), or from one
+        given the micro-step counter that takes rows from ``micro * batch_size`` on (``_split_indexed``)."""
         accumulation = loop_shapes.micro_count(inner)
         code = facts.code(accumulation)
         if any(facts.is_runtime_call(c, "batch_split") for c in facts.calls):
             return Refusal(inner, ALREADY, Status.PRESENT)
         counter = inner.target.value if isinstance(inner.target, cst.Name) else None
+        indexed = None  # ``get_batch(step, micro, batch_size)``: the counter picks the rows
         for n in facts.nodes_in(inner.body, cst.Name):
-            if n.value == counter and names_variable(facts, n) and not last_micro_test(facts, n, code):
-                return Refusal(n, f"{counter} counts micro-batches (line {line_of(facts, n)}): the split changes it")
+            if n.value != counter or not names_variable(facts, n) or last_micro_test(facts, n, code):
+                continue
+            if indexed is None and (indexed := indexed_call(facts, n)) is not None:
+                continue
+            return Refusal(n, f"{counter} counts micro-batches (line {line_of(facts, n)}): the split changes it")
         if not any(_divides(facts, n, code) for n in walk(inner.body, itself=True)):
             return Refusal(inner, f"the loss is not divided by {code}: the split would change the gradient's scale")
-        source = _micro_source(facts, loop, inner, code)
+        source = from_indexed(facts, inner, indexed, accumulation) if indexed is not None else \
+            _micro_source(facts, loop, inner, code)
         if isinstance(source, Refusal):
             return source
-        micro, before = source
+        micro, before, *taken = source
         micro_code = facts.code(micro)
         for call in facts.calls:
             if isinstance(call.func, cst.Name) and call.func.value in ("exec", "globals") and \
@@ -194,7 +201,8 @@ class BatchSplit(Transform):
         losses = {facts.code(e) for e in scope.loss_exprs()}
         first = parameters_of(facts, [micro_code, code], before)
         within = facts.function_of(before) if first is not None else None  # parameters: read in their function only
-        read = read_elsewhere(facts, micro, accumulation, Expected(inner, frozenset(losses), True, within))
+        read = read_elsewhere(facts, micro, accumulation,
+                              Expected(inner, frozenset(losses), True, within, allowed=taken[0] if taken else frozenset()))
         if read is not None:
             return read
         counted = self._per_micro_step(facts, inner.body, None)
