@@ -376,3 +376,35 @@ def test_a_library_model_only_read_for_its_weights_gets_no_switch(tmp_path, uses
     else:
         assert site.status is Status.NOT_APPLICABLE
         assert site.reason.endswith("is only read (hf.state_dict): the script never runs it, so nothing of it trains")
+
+
+@pytest.mark.parametrize("decorator, applies", [
+    ("@torch.no_grad()", False),  # build-nanogpt's HellaSwag evaluate(): a model of its own, never trained
+    ("@torch.inference_mode()", False),
+    ("@torch.enable_grad()", True),
+    ("", True),
+])
+def test_a_library_model_an_evaluator_builds_under_no_grad_gets_no_switch(tmp_path, decorator, applies):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom transformers import GPT2LMHeadModel\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        f"{decorator}\n"
+        "def evaluate(model_type):\n"
+        "    hf = GPT2LMHeadModel.from_pretrained(model_type)\n"
+        "    return hf(torch.zeros(1, 4, dtype=torch.long)).logits.mean()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for batch in range(3):\n"
+        "    loss = model(torch.ones(2, 4)).sum()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "print(evaluate('gpt2'))\n"
+    )
+    (site,) = [s for s in run(load_project(script), select(["checkpointing"]), hooks=False).sites
+               if "GPT2LMHeadModel" in s.reason]
+    if applies:
+        assert site.status is Status.APPLICABLE and "own switch" in site.reason
+    else:
+        assert site.status is Status.NOT_APPLICABLE
+        assert site.reason == (f"hf = GPT2LMHeadModel.from_pretrained(model... is built and run in evaluate(), which "
+                               f"runs under {decorator}: nothing of it trains")

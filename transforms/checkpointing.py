@@ -90,6 +90,23 @@ def _weights_only(facts: ModuleFacts, assign: cst.Assign, name: str) -> str | No
     return facts.code(facts.parent(uses[0]))
 
 
+# a function decorated with one of these runs without autograd: a model it builds and runs is evaluated, not trained
+NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad",
+                     "torch.autograd.grad_mode.no_grad", "torch.autograd.grad_mode.inference_mode"})
+
+
+def _built_without_grad(facts: ModuleFacts, assign: cst.Assign) -> str | None:
+    """``@torch.no_grad()`` (or ``inference_mode``) on the function that builds the model, a stand-alone evaluator
+    (build-nanogpt's HellaSwag ``evaluate()``): the function's name and its decorator as written; else None."""
+    function = facts.function_of(assign)
+    for decorator in function.decorators if function is not None else ():
+        called = decorator.decorator
+        func = called.func if isinstance(called, cst.Call) else called
+        if facts.qualname(func) in NO_GRAD:
+            return f"{function.name.value}(), which runs under @{facts.code(called)}"
+    return None
+
+
 @dataclass(frozen=True)
 class _Site:
     """A place that runs repeated blocks one after the other."""
@@ -175,6 +192,9 @@ class Checkpointing(Transform):
             elif (read := _weights_only(facts, assign, name)) is not None:
                 self.report(facts, assign, Status.NOT_APPLICABLE,
                             f"{made} is only read ({read}): the script never runs it, so nothing of it trains")
+            elif (evaluator := _built_without_grad(facts, assign)) is not None:
+                self.report(facts, assign, Status.NOT_APPLICABLE,
+                            f"{made} is built and run in {evaluator}: nothing of it trains")
             else:
                 self.report(
                     facts, assign, Status.APPLICABLE,
