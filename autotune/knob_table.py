@@ -104,7 +104,7 @@ KNOBS = {knob.name: knob for knob in (
         False,
         Numerics.EXACT,
         devices=frozenset({'cpu', 'cuda'}),
-        help="turn on the model library's own activation checkpointing: model.gradient_checkpointing_enable() (transformers, use_reentrant=False) or model.set_grad_checkpointing() (timm)",
+        help="turn on the model library's own activation checkpointing: model.gradient_checkpointing_enable() (transformers, use_reentrant=False), model.set_grad_checkpointing() (timm) or model.enable_gradient_checkpointing() (diffusers, 0.32 or later for UNet2DModel)",
         compiles=False,
         role=Role.MEMORY_SAVER,
         on=True,

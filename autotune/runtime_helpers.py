@@ -374,13 +374,19 @@ def checkpoint_sequential(seq: Any, x: Any) -> Any:
 
 def checkpoint_switch(model: Any, method: str) -> None:
     """Call the model library's own activation-checkpointing switch ``method`` when the knob is on."""
-    if not knob("checkpointing.framework"):
+    if not knob("checkpointing.framework", record=False):
         return
+    if False in (getattr(model, "supports_gradient_checkpointing", True),  # transformers
+                 getattr(model, "_supports_gradient_checkpointing", True)):  # diffusers
+        return  # a model class without it (diffusers' UNet2DModel before 0.32): the knob changes nothing
+    took_effect("checkpointing.framework")
     if method == "gradient_checkpointing_enable":
         try:  # non-reentrant, as autotune checkpoints blocks itself
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         except TypeError:  # transformers before 4.35 takes no arguments
             model.gradient_checkpointing_enable()
+    elif method == "enable_gradient_checkpointing":  # diffusers: non-reentrant already
+        model.enable_gradient_checkpointing()
     else:
         getattr(model, method)(True)
 

@@ -30,6 +30,7 @@ A, P, N, U = Status.APPLICABLE, Status.PRESENT, Status.NOT_APPLICABLE, Status.US
         ("memory_format_flag", [U, U]),
         ("trainer_attribute", [A, A]),
         ("lightning_module", [A]),  # a LightningModule that Lightning's Trainer fits: its batches are Lightning's
+        ("diffusers_unet", [A, N]),  # a diffusers UNet2DModel; its input is no batch copied to a device (CPU)
         ("imagenet_arch", [A, A]),  # models.__dict__[args.arch](...) in both branches, DataParallel on the GPU  # self.model of a trainer class, after its init_weights  # a flag in a variable, applied to the model and in the collate function
     ],
 )
@@ -122,7 +123,7 @@ def test_runtime_converts_modules_and_4d_tensors_only(knob):
 
 
 CPU_CASES = ["cnn_to_device", "sequential_loop_input", "train_step_param", "arch_branches", "weights_init", "trainer_attribute",
-             "lightning_module"]  # imagenet_arch needs torchvision
+             "lightning_module", "diffusers_unet"]  # imagenet_arch needs torchvision
 
 
 @pytest.mark.slow
@@ -184,3 +185,34 @@ def test_the_knob_reaches_a_lightningmodule_the_trainer_fits(tmp_path):
                 knobs={"channels_last.enabled": True}, warmup=1, steps=2)
     assert got["status"] == "ok", got["error"]
     assert got["applied"] == ["channels_last.enabled"]
+
+
+@pytest.mark.parametrize("built, reason", [
+    ("UNet2DModel(sample_size=8, norm_num_groups=8)", "UNet2DModel has 2-D convolutions"),
+    ("UNet2DModel(sample_size=8, dropout=0.0)", "UNet2DModel has 2-D convolutions"),
+    ("UNet2DModel(sample_size=8, dropout=0.1)", "UNet2DModel has dropout: in train mode dropout draws its mask in "
+                                                "memory order"),
+    ("UNet2DModel.from_config(UNet2DModel.load_config(path))", "UNet2DModel.from_config(...) takes its dropout from a "
+                                                               "saved config, which is not read here; where it is on, "
+                                                               "in train mode dropout"),
+    ("UNet2DModel(**config)", "UNet2DModel(...) takes its dropout from a saved config"),
+    ("AutoencoderKL.from_pretrained(path)", "AutoencoderKL.from_pretrained(...) takes its dropout from a saved config"),
+    ("UNet1DModel()", "UNet1DModel has no 2-D convolutions"),
+])
+def test_a_diffusers_model_is_converted_where_its_dropout_is_known_to_be_off(tmp_path, built, reason):
+    from autotune.patch import run, select
+    from autotune.project import load_project
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom diffusers import AutoencoderKL, UNet1DModel, UNet2DModel\npath, config = 'unet', {}\n"
+        f"model = {built}\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for x in range(3):\n"
+        "    loss = model(torch.randn(2, 3, 8, 8), 0).sample.mean()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+    )
+    (site,) = [s for s in run(load_project(script), select([T]), hooks=False).sites if s.line == 4]
+    assert site.status is (A if reason.endswith("2-D convolutions") and "no 2-D" not in reason else N)
+    assert site.reason.startswith(reason)

@@ -408,3 +408,87 @@ def test_a_library_model_an_evaluator_builds_under_no_grad_gets_no_switch(tmp_pa
         assert site.status is Status.NOT_APPLICABLE
         assert site.reason == (f"hf = GPT2LMHeadModel.from_pretrained(model... is built and run in evaluate(), which "
                                f"runs under {decorator}: nothing of it trains")
+
+
+def test_a_diffusers_unet_built_in_either_branch_gets_its_switch_once_after_the_if_else():
+    # diffusers' train_unconditional.py: UNet2DModel(...) from the arguments, else UNet2DModel.from_config(config)
+    (site,) = [s for s in run(load_project(CASES / "diffusers_unet.in.py"), select(["checkpointing"]),
+                              hooks=False).sites]
+    assert (site.status, site.line) == (Status.APPLICABLE, 21)
+    assert site.reason.endswith("(or the else branch's, switched after the if/else) is a diffusers model: its own "
+                                "switch, model.enable_gradient_checkpointing(), becomes a knob")
+    from transform_cases import patched
+
+    text = patched("checkpointing", "diffusers_unet")
+    assert text.count("checkpoint_switch(") == 1
+    assert '    model = UNet2DModel.from_config(config)\n_autotune.checkpoint_switch(model, "enable_gradient_' \
+           'checkpointing")\n' in text
+
+
+@pytest.mark.parametrize("branches, applies", [
+    ("if a:\n    model = UNet2DModel()\nelse:\n    model = UNet2DModel.from_pretrained(p)\n", True),
+    # three ways to bind it: not the if/else shape, which model trains is not read
+    ("if a:\n    model = UNet2DModel()\nelif b:\n    model = UNet2DModel.from_pretrained(p)\nelse:\n"
+     "    model = UNet2DModel.from_config(c)\n", False),
+    ("model = UNet2DModel()\nif a:\n    model = UNet2DModel.from_pretrained(p)\n", False),
+    # a pipeline, a scheduler and a config are no models
+    ("model = UNet2DModel()\npipe = DDPMPipeline(unet=model, scheduler=s)\nc = UNet2DModel.load_config(p)\n", True),
+])
+def test_a_diffusers_model_bound_once_on_each_path_gets_the_switch(tmp_path, branches, applies):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom diffusers import DDPMPipeline, UNet2DModel\na, b, p, c, s = 1, 0, 'unet', {}, None\n"
+        + branches +
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for x in range(3):\n"
+        "    loss = model(x, 0).sample.mean()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+    )
+    found = run(load_project(script), select(["checkpointing"]), hooks=False).sites
+    if applies:
+        assert [s.status for s in found] == [Status.APPLICABLE]  # one site, whichever branch binds it
+    else:  # each binding says why
+        assert len(found) == branches.count("UNet2DModel(") + branches.count("UNet2DModel.from_")
+        assert {(s.status, s.reason) for s in found} == {
+            (Status.NOT_APPLICABLE, "`model` is bound more than once: which model trains is unclear")}
+
+
+def test_the_diffusers_switch_is_called_only_where_the_model_class_has_it(tmp_path, monkeypatch):
+    called = []
+
+    class UNet:  # diffusers' ModelMixin: no arguments, non-reentrant checkpointing of its own
+        _supports_gradient_checkpointing = True
+
+        def enable_gradient_checkpointing(self):
+            called.append("unet")
+
+    class OldUNet(UNet):  # UNet2DModel before diffusers 0.32: enable_gradient_checkpointing() raises
+        _supports_gradient_checkpointing = False
+
+        def enable_gradient_checkpointing(self):
+            raise ValueError("OldUNet does not support gradient checkpointing.")
+
+    config = tmp_path / "on.yaml"
+    config.write_text("knobs:\n  checkpointing.framework: true\n")
+    monkeypatch.setenv(runtime.CONFIG_ENV, str(config))
+    runtime.reset()
+    try:
+        runtime.checkpoint_switch(OldUNet(), "enable_gradient_checkpointing")
+        assert called == [] and runtime.applied() == []  # nothing changed: not credited to the knob
+        runtime.checkpoint_switch(UNet(), "enable_gradient_checkpointing")
+        assert called == ["unet"] and runtime.applied() == ["checkpointing.framework"]
+    finally:
+        runtime.reset()
+
+
+def test_a_diffusers_unet_trains_bitwise_the_same_with_its_own_checkpointing(tmp_path):
+    pytest.importorskip("diffusers")
+    from transform_cases import baked, losses, original, patched
+
+    base = original(tmp_path, "checkpointing", "diffusers_unet", steps=4)
+    gated = patched("checkpointing", "diffusers_unet")
+    knobs = {"checkpointing.framework": True}
+    assert losses(tmp_path, "default", gated, steps=4) == base
+    assert losses(tmp_path, "on", gated, knobs, steps=4) == base  # EXACT: recomputed, not changed
+    assert losses(tmp_path, "baked", baked("checkpointing", "diffusers_unet", knobs), steps=4) == base

@@ -11,7 +11,7 @@ import libcst as cst
 from autotune.analysis import ModuleFacts
 from autotune.project import Framework, Project
 from autotune.syntax import argument, assignments, binds, is_name, positional, scope_of, self_attr
-from autotune.transforms._sites import strip_module_chain
+from autotune.transforms._sites import diffusers_model, strip_module_chain
 
 # torch.nn modules that are a whole transformer block: worth checkpointing or compiling one at a time.
 TORCH_BLOCKS = {"torch.nn.TransformerEncoderLayer", "torch.nn.TransformerDecoderLayer"}
@@ -176,6 +176,8 @@ def model_class(project: Project, facts: ModuleFacts, scope: cst.CSTNode, expr: 
             return ref
         if qual and (qual.startswith(("torch.nn.", "torchvision.models.", "timm.models.")) or qual == "timm.create_model"):
             return qual
+        if diffusers_model(qual) is not None:
+            return diffusers_model(qual)
     target = find_function(project, qual)
     if target is not None:  # a local factory: what it returns (element ``index`` of the tuple it returns)
         owner, fn = target
@@ -491,7 +493,8 @@ class Training:
         built = model_class(self.project, facts, scope, name)
         if isinstance(built, str):
             last = built.rsplit(".", 1)[-1]
-            return built.startswith(("torch.nn.", "torchvision.models.")) and last[:1].isupper() and not last.endswith("Loss")
+            return built.startswith(("torch.nn.", "torchvision.models.", "diffusers.")) and last[:1].isupper() and \
+                not last.endswith("Loss")
         return built is not None and self.is_module_class(built)
 
     def is_module_class(self, ref: ClassRef, depth: int = 0) -> bool:

@@ -86,8 +86,24 @@ def local_classes(project: Project) -> dict[str, tuple[ModuleFacts, cst.ClassDef
     return found
 
 
+# diffusers' models are nn.Modules (ModelMixin), built by class, from a config or from a saved folder
+DIFFUSERS_LOADERS = ("from_pretrained", "from_config")
+
+
+def diffusers_model(qual: str | None) -> str | None:
+    """``diffusers.UNet2DModel`` for ``diffusers.UNet2DModel(...)`` and its ``from_pretrained``/``from_config``: a
+    model class (``...Model``, ``Autoencoder...``), not a pipeline, scheduler or ``load_config``."""
+    if not qual or not qual.startswith("diffusers."):
+        return None
+    parts = qual.split(".")
+    if parts[-1] in DIFFUSERS_LOADERS:
+        parts = parts[:-1]
+    cls = parts[-1]
+    return ".".join(parts) if cls.endswith("Model") or cls.startswith("Autoencoder") else None
+
+
 def is_module_ctor(project: Project, facts: ModuleFacts, call: cst.Call) -> bool:
-    """Whether ``call`` builds an nn.Module: a local subclass, a torch.nn class or a torchvision model."""
+    """Whether ``call`` builds an nn.Module: a local subclass, a torch.nn class, a torchvision or diffusers model."""
     qual = facts.qualname(call.func)
     if not qual:
         return False
@@ -96,7 +112,7 @@ def is_module_ctor(project: Project, facts: ModuleFacts, call: cst.Call) -> bool
     last = qual.rsplit(".", 1)[-1]
     if qual.startswith("torch.nn.") and qual not in _NN_TENSORS and last[:1].isupper():
         return not qual.startswith("torch.nn.functional.")
-    return qual.startswith("torchvision.models.")
+    return qual.startswith("torchvision.models.") or diffusers_model(qual) is not None
 
 
 def module_names(project: Project) -> set[str]:

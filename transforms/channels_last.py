@@ -12,7 +12,9 @@ from autotune.transform import Edits, Status, Transform
 from autotune.syntax import bound_names, keyword, self_attr, stmt
 from autotune.transforms._model import training, zoo_factory
 from autotune.transforms._sites import (
+    DIFFUSERS_LOADERS,
     Region,
+    diffusers_model,
     h2d_copy,
     is_module_ctor,
     is_module_expr,
@@ -48,8 +50,14 @@ _FLATTEN = {"torch.flatten", "torch.nn.Flatten", "torch.nn.modules.flatten.Flatt
 SEQUENTIAL = "torch.nn.Sequential"
 
 
+# diffusers' models built of 2-D convolutions (ResNet blocks, a VAE's encoder and decoder)
+_DIFFUSERS_CONV = {f"diffusers.{name}" for name in (
+    "UNet2DModel", "UNet2DConditionModel", "AutoencoderKL", "AutoencoderTiny", "AsymmetricAutoencoderKL", "VQModel",
+    "ControlNetModel")}
+
+
 def _is_conv(qual: str | None) -> bool:
-    if qual in _CONV2D:
+    if qual in _CONV2D or diffusers_model(qual) in _DIFFUSERS_CONV:
         return True
     return bool(qual) and qual.startswith("torchvision.models.") and not qual.startswith("torchvision.models.video.")
 
@@ -66,6 +74,7 @@ class _Model:
     label: str  # what it is, for reports ("Net", "nn.Sequential")
     conv: bool
     dropout: bool = False  # it applies element-wise dropout somewhere
+    saved: str | None = None  # built by a library's loader from a saved config (``UNet2DModel.from_config``)
     converted: tuple[Status, str] | None = None  # the script (or autotune) already sets its memory format: why
     inputs: list[tuple[ModuleFacts, cst.Call]] = field(default_factory=list)  # its forward calls in the loop
 
@@ -111,6 +120,11 @@ class ChannelsLast(Transform):
             if model.dropout:
                 self.report(facts, model.site, Status.NOT_APPLICABLE, f"{model.label} has dropout: {DROPOUT_REASON}")
                 continue
+            if model.saved:
+                self.report(facts, model.site, Status.NOT_APPLICABLE, (
+                    f"{model.saved} takes its dropout from a saved config, which is not read here; where it is on, "
+                    f"{DROPOUT_REASON}"))
+                continue
             self.report(facts, model.site, Status.APPLICABLE, f"{model.label} has 2-D convolutions")
             self._convert(edits, model.anchor, model.name, "to", after=True)
         self._inputs(facts, edits, regions, [m for m in models if m.conv and not m.dropout])
@@ -131,6 +145,7 @@ class ChannelsLast(Transform):
             label = " or ".join(dict.fromkeys(labels))
             model = _Model(facts, trained.name, builds, calls[0], trained.point, label, any(conv))
             model.dropout = any(self._builds(facts, c, _spatial_dropout, set()) for c in calls)
+            model.saved = next((f"{facts.code(c.func)}(...)" for c in calls if _saved_config(facts, c)), None)
             model.converted = self._converted(model)
             models.append(model)
         for model in models:
@@ -310,9 +325,21 @@ class ChannelsLast(Transform):
             edits.insert_before(place, line)
 
 
+def _saved_config(facts: ModuleFacts, call: cst.Call) -> bool:
+    """``UNet2DModel.from_pretrained(...)``/``from_config(...)``/``UNet2DModel(**config)``: a diffusers model whose
+    settings, its dropout among them, come from a saved config."""
+    qual = facts.qualname(call.func) or ""
+    return diffusers_model(qual) is not None and (qual.rsplit(".", 1)[-1] in DIFFUSERS_LOADERS
+                                                  or any(a.star == "**" for a in call.args))
+
+
 def _spatial_dropout(facts: ModuleFacts, call: cst.Call) -> bool:
     """Whether ``call`` makes element-wise dropout that may see a 4-D activation: not one that comes after the
-    flatten in an ``nn.Sequential`` or in its module's ``forward`` (a classifier head's dropout)."""
+    flatten in an ``nn.Sequential`` or in its module's ``forward`` (a classifier head's dropout); a diffusers model
+    given ``dropout=`` other than 0 (its resnet blocks drop element-wise)."""
+    if diffusers_model(facts.qualname(call.func)) is not None:
+        rate = keyword(call, "dropout")
+        return rate is not None and not (isinstance(rate.value, (cst.Integer, cst.Float)) and float(rate.value.value) == 0)
     if facts.qualname(call.func) not in _DROPOUT:
         return False
     parent = facts.parent(facts.parent(call))  # Call <- Arg <- Call

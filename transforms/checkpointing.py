@@ -12,6 +12,7 @@ from autotune.transform import Edits, Status, Transform
 from autotune.syntax import (argument, attr_chain, expr, is_name, names_read, names_variable, positional, short, stmt,
                              unique_name)
 
+from ._sites import diffusers_model
 from ._model import SEQUENTIAL, ClassRef, Stack, attr_stack, find_class, is_block_class
 
 EVERY = {"none": 0, "all": 1, "every_2nd": 2}
@@ -24,9 +25,13 @@ STATEFUL = {
 
 
 # the libraries whose models carry their own activation-checkpointing switch, and its call
-SWITCHES = {"transformers": "gradient_checkpointing_enable", "timm": "set_grad_checkpointing"}
+SWITCHES = {"transformers": "gradient_checkpointing_enable", "timm": "set_grad_checkpointing",
+            "diffusers": "enable_gradient_checkpointing"}
 SWITCH_ARGS = {"gradient_checkpointing_enable": 'gradient_checkpointing_kwargs={"use_reentrant": False}',
-               "set_grad_checkpointing": "True"}
+               "set_grad_checkpointing": "True",
+               "enable_gradient_checkpointing": ""}  # diffusers checkpoints with use_reentrant=False itself
+# the switches that turn it off again
+SWITCHES_OFF = ("gradient_checkpointing_disable", "disable_gradient_checkpointing")
 _TIMM_FACTORIES = {"timm.create_model", "timm.models.create_model"}
 
 
@@ -38,6 +43,8 @@ def _library_model(facts: ModuleFacts, value: cst.BaseExpression) -> str | None:
     qual = facts.qualname(value.func) or ""
     if qual in _TIMM_FACTORIES:
         return "timm"
+    if diffusers_model(qual) is not None:
+        return "diffusers"
     if qual.startswith("transformers.") and qual.endswith((".from_pretrained", ".from_config")):
         cls = qual.rsplit(".", 2)[-2]
         # a model class: AutoModel..., GPT2LMHeadModel, BertForSequenceClassification; not AutoTokenizer/AutoConfig
@@ -56,18 +63,36 @@ def _is_switch_call(call: cst.Call, name: str) -> bool:
     return (
         isinstance(func, cst.Attribute)
         and is_name(func.value, name)
-        and func.attr.value in (*SWITCHES.values(), "gradient_checkpointing_disable")
+        and func.attr.value in (*SWITCHES.values(), *SWITCHES_OFF)
     )
 
 
 def _rebound_in_scope(facts: ModuleFacts, assign: cst.Assign, name: str) -> bool:
-    """Whether ``name`` gets another model in the same scope (``model = other`` as opposed to ``model.to(...)``)."""
+    """Whether ``name`` gets another model in the same scope (``model = other`` as opposed to ``model.to(...)``),
+    other than in the other branch of an if/else (``_branches``)."""
+    return len(_bindings(facts, assign, name)) > 1 and _branches(facts, assign, name) is None
+
+
+def _bindings(facts: ModuleFacts, assign: cst.Assign, name: str) -> list[cst.Assign]:
+    """The assignments of a library model to ``name`` in ``assign``'s scope."""
     scope = facts.function_of(assign) or facts.module
-    return any(
-        a is not assign and _library_model(facts, a.value) is not None
-        for a in facts.nodes_in(scope, cst.Assign)
-        if any(is_name(t.target, name) for t in a.targets)
-    )
+    return [a for a in facts.nodes_in(scope, cst.Assign)
+            if any(is_name(t.target, name) for t in a.targets) and _library_model(facts, a.value) is not None]
+
+
+def _branches(facts: ModuleFacts, assign: cst.Assign, name: str) -> cst.If | None:
+    """The ``if``/``else`` whose two branches each bind ``name`` to a model of one library, once, directly in the
+    branch (diffusers' ``UNet2DModel(...)`` from arguments, else ``UNet2DModel.from_config(...)``), where no other
+    statement of the scope binds it so: the model is whichever branch ran, built once either way."""
+    found = _bindings(facts, assign, name)
+    if len(found) != 2 or len({_library_model(facts, a.value) for a in found}) != 1:
+        return None
+    first, second = (facts.statement_of(a) for a in found)
+    branch = facts.parent(facts.parent(first))  # statement <- IndentedBlock <- If
+    if not (isinstance(branch, cst.If) and isinstance(branch.orelse, cst.Else) and first in branch.body.body
+            and second in branch.orelse.body.body):
+        return None
+    return branch
 
 
 # what a model only read for its weights or settings is used for: it is never run, so never trained
@@ -143,7 +168,8 @@ class Checkpointing(Transform):
             Numerics.EXACT,
             role=Role.MEMORY_SAVER, on=True,
             help="turn on the model library's own activation checkpointing: model.gradient_checkpointing_enable() "
-            "(transformers, use_reentrant=False) or model.set_grad_checkpointing() (timm)",
+            "(transformers, use_reentrant=False), model.set_grad_checkpointing() (timm) or "
+            "model.enable_gradient_checkpointing() (diffusers, 0.32 or later for UNet2DModel)",
         ),
     )
     tracks_settings = True
@@ -170,6 +196,9 @@ class Checkpointing(Transform):
             if library is None or len(assign.targets) != 1 or not is_name(assign.targets[0].target):
                 continue
             name = assign.targets[0].target.value  # type: ignore[attr-defined]
+            branches = _branches(facts, assign, name)
+            if branches is not None and assign is not _bindings(facts, assign, name)[0]:
+                continue  # the else branch's model: one site, at the first branch's, switched after the if/else
             method = SWITCHES[library]
             made = f"{name} = {short(facts, assign.value)}"
             own = next((c for c in facts.calls if _is_switch_call(c, name)), None)
@@ -196,12 +225,13 @@ class Checkpointing(Transform):
                 self.report(facts, assign, Status.NOT_APPLICABLE,
                             f"{made} is built and run in {evaluator}: nothing of it trains")
             else:
+                either = " (or the else branch's, switched after the if/else)" if branches is not None else ""
                 self.report(
                     facts, assign, Status.APPLICABLE,
-                    f"{made} is a {library} model: its own switch, {name}.{method}(), becomes a knob",
+                    f"{made}{either} is a {library} model: its own switch, {name}.{method}(), becomes a knob",
                 )
                 self.settings_read.add("framework")
-                stmt_node = facts.statement_of(assign)
+                stmt_node = branches if branches is not None else facts.statement_of(assign)
                 if self.mode.gated:
                     helper = edits.runtime("checkpoint_switch")
                     edits.insert_after(stmt_node, stmt(f'{helper}({name}, "{method}")\n'))
@@ -479,7 +509,7 @@ def _elem(stack: Stack) -> str:
 # === runtime: what the patched script runs (python -m autotune.catalog copies it into autotune/runtime_helpers.py) ===
 
 from typing import Any
-from autotune.knob_values import knob
+from autotune.knob_values import knob, took_effect
 
 
 _CHECKPOINT_EVERY = {"none": 0, "all": 1, "every_2nd": 2}
@@ -527,12 +557,18 @@ def checkpoint_sequential(seq: Any, x: Any) -> Any:
 
 def checkpoint_switch(model: Any, method: str) -> None:
     """Call the model library's own activation-checkpointing switch ``method`` when the knob is on."""
-    if not knob("checkpointing.framework"):
+    if not knob("checkpointing.framework", record=False):
         return
+    if False in (getattr(model, "supports_gradient_checkpointing", True),  # transformers
+                 getattr(model, "_supports_gradient_checkpointing", True)):  # diffusers
+        return  # a model class without it (diffusers' UNet2DModel before 0.32): the knob changes nothing
+    took_effect("checkpointing.framework")
     if method == "gradient_checkpointing_enable":
         try:  # non-reentrant, as autotune checkpoints blocks itself
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         except TypeError:  # transformers before 4.35 takes no arguments
             model.gradient_checkpointing_enable()
+    elif method == "enable_gradient_checkpointing":  # diffusers: non-reentrant already
+        model.enable_gradient_checkpointing()
     else:
         getattr(model, method)(True)
