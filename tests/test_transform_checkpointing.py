@@ -353,6 +353,8 @@ def test_a_transformers_model_built_from_its_config_has_the_librarys_switch(tmp_
     ("sd_hf = hf.state_dict()\nprint(hf.config.n_layer)\n", False),  # nanoGPT's from_pretrained: its weights copied
     ("sd_hf = hf.state_dict()\nout = hf(torch.zeros(1, 4, dtype=torch.long))\n", True),  # also run
     ("model.load_state_dict(hf.state_dict())\nhf.train()\n", True),  # put in training mode: it may train
+    # diffusers' load_model_hook: the weights copied, then the copy deleted
+    ("model.load_state_dict(hf.state_dict())\ndel hf\n", False),
 ])
 def test_a_library_model_only_read_for_its_weights_gets_no_switch(tmp_path, uses, applies):
     script = tmp_path / "train.py"
@@ -433,6 +435,8 @@ def test_a_diffusers_unet_built_in_either_branch_gets_its_switch_once_after_the_
     ("model = UNet2DModel()\nif a:\n    model = UNet2DModel.from_pretrained(p)\n", False),
     # a pipeline, a scheduler and a config are no models
     ("model = UNet2DModel()\npipe = DDPMPipeline(unet=model, scheduler=s)\nc = UNet2DModel.load_config(p)\n", True),
+    # the weights' moving average (diffusers.training_utils.EMAModel) is a helper, not a model with a switch
+    ("model = UNet2DModel()\nfrom diffusers.training_utils import EMAModel\nema = EMAModel(model.parameters())\n", True),
 ])
 def test_a_diffusers_model_bound_once_on_each_path_gets_the_switch(tmp_path, branches, applies):
     script = tmp_path / "train.py"

@@ -99,6 +99,8 @@ def diffusers_model(qual: str | None) -> str | None:
     if parts[-1] in DIFFUSERS_LOADERS:
         parts = parts[:-1]
     cls = parts[-1]
+    if "training_utils" in parts or cls == "EMAModel":  # the weights' moving average: a helper, not a module
+        return None
     return ".".join(parts) if cls.endswith("Model") or cls.startswith("Autoencoder") else None
 
 

@@ -106,13 +106,15 @@ def _weights_only(facts: ModuleFacts, assign: cst.Assign, name: str) -> str | No
     target = assign.targets[0].target
     uses = [n for n in facts.nodes_in(scope, cst.Name)
             if n.value == name and n is not target and names_variable(facts, n)]
-    if not uses:
-        return None
+    reads = []
     for use in uses:
         parent = facts.parent(use)
+        if isinstance(parent, (cst.Del, cst.AssignTarget)):
+            continue  # ``del load_model`` once its weights are copied (diffusers' load_model_hook), or bound again
         if not (isinstance(parent, cst.Attribute) and parent.value is use and parent.attr.value in WEIGHTS_ONLY):
             return None
-    return facts.code(facts.parent(uses[0]))
+        reads.append(parent)
+    return facts.code(reads[0]) if reads else None
 
 
 # a function decorated with one of these runs without autograd: a model it builds and runs is evaluated, not trained
