@@ -82,6 +82,11 @@ def _cases():
                 [torch.randn(2, 10, 64, generator=g), torch.randn(2, 14, 64, generator=g), torch.randn(2, 1, 10, 14, generator=g)],
             ),
         ],
+        "mqa_einsum": [
+            # one key/value head broadcast to every query head; rotary embeddings; a boolean causal buffer, sliced
+            ("MultiQueryAttention", lambda c: c(dim=64, n_head=4, max_len=32), [torch.randn(2, 32, 64, generator=g)]),
+            ("MultiQueryAttention", lambda c: c(dim=64, n_head=4, max_len=32), [torch.randn(2, 17, 64, generator=g)]),
+        ],
         "llama_gqa": [
             # grouped heads, additive causal mask, softmax in float32 cast back
             ("Attention", lambda c: c(dim=64, n_heads=4, n_kv_heads=2), [torch.randn(2, 12, 64, generator=g), causal]),
@@ -313,3 +318,20 @@ def test_a_switched_off_attention_flag_becomes_the_knob(tmp_path):
                                                                         {"sdpa.attention": "sdpa"}))] == on
     manual = [float.fromhex(h) for h in losses(tmp_path, "manual", original)]
     assert on == pytest.approx(manual, rel=1e-4)  # and SDPA trains as the manual attention does, to rounding
+
+
+@pytest.mark.parametrize(("spec", "role", "shared"), [
+    ("bhtd,bhsd->bhts", "qk", False),
+    ("bhtd,bsd->bhts", "qk", True),  # multi-query: one key head, broadcast over the query heads
+    ("bhts,bsd->bhtd", "av", True),
+    ("...hld,...sd->...hls", "qk", True),  # any leading dimensions, the head the last of them
+    ("bhtd,hsd->bhts", "qk", None),  # the key keeps the heads and drops the batch: not a shared head
+    ("bhtd,bsd->bts", "qk", None),  # the heads summed away: not attention per head
+])
+def test_einsum_attention_with_one_key_value_head(spec, role, shared):
+    import libcst as cst
+
+    from autotune.transforms._attention_exprs import _einsum
+
+    found = _einsum(cst.parse_expression(f'torch.einsum("{spec}", a, b)'), role)
+    assert (None if found is None else found.shared) == shared

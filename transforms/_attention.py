@@ -106,7 +106,9 @@ class _Matcher:
             operands = _einsum(out, "av")
             if operands is None:
                 raise _NoMatch
-            weights, v = operands
+            weights, v, shared = operands
+            if shared:
+                self.m.shared.add("v")
         else:
             raise _NoMatch
         self.weights(weights, idx)
@@ -242,8 +244,10 @@ class _Matcher:
                 operands = _einsum(node, "qk")
                 if operands is None:
                     raise self.fail("an einsum whose subscripts are not q @ k^T over the last dimension")
-                self.m.q, self.m.k = operands
-                self.m.leaves.extend(operands)
+                self.m.q, self.m.k = operands.first, operands.second
+                self.m.leaves.extend((operands.first, operands.second))
+                if operands.shared:
+                    self.m.shared.add("k")
                 return None
         raise self.fail(
             f"softmax weights are applied to values, but the scores ({short(facts, node)}) are not q @ k^T: "

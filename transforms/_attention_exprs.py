@@ -4,6 +4,7 @@ predicates over libcst expressions that recognise its parts (softmax, -inf, a ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import libcst as cst
 from libcst import matchers  # (``m`` names an attention match in this module)
@@ -67,6 +68,7 @@ class _Match:
     leaves: list[cst.BaseExpression] = field(default_factory=list)  # expressions SDPA evaluates
     cast_to: cst.BaseExpression | None = None  # ``softmax(s.float()).type_as(x)``: x must be the query
     rank4: cst.BaseExpression | None = None  # ``k.transpose(2, 3)``: the last two dims only while k is 4-D
+    shared: set[str] = field(default_factory=set)  # "k", "v": one head for every query head (an einsum's broadcast)
 
 
 
@@ -229,7 +231,16 @@ def _untransposed(kt: cst.BaseExpression) -> cst.BaseExpression | None:
     return None
 
 
-def _einsum(call: cst.Call, role: str) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+class Operands(NamedTuple):
+    """The two operands of an attention einsum; ``shared``: the second has no head dimension (multi-query attention:
+    one key and value head that every query head uses, ``"bhtd,bsd->bhts"``)."""
+
+    first: cst.BaseExpression
+    second: cst.BaseExpression
+    shared: bool = False
+
+
+def _einsum(call: cst.Call, role: str) -> Operands | None:
     """The two operands of an einsum that computes ``q @ k^T`` (role "qk") or ``weights @ v`` (role "av")."""
     args = positional(call)
     if len(args) != 3 or not isinstance(args[0], cst.SimpleString):
@@ -249,13 +260,15 @@ def _einsum(call: cst.Call, role: str) -> tuple[cst.BaseExpression, cst.BaseExpr
     if any(p is None for p in parts):
         return None
     (pa, xa), (pb, xb), (po, xo) = parts  # type: ignore[misc]
-    if not (pa == pb == po) or "..." in pa.replace("...", "", 1):
+    # the second operand without the head dimension, the last of the first's batch dimensions: broadcast over it
+    shared = pa == po and pb == pa[:-1] and pa[-1:].isalpha() and pa[-1:] not in xa + xb + xo
+    if not (pa == pb == po or shared) or "..." in pa.replace("...", "", 1):
         return None
     if role == "qk":  # "...ld,...sd->...ls"
         ok = xa[1] == xb[1] and xo == xa[0] + xb[0] and len({xa[0], xb[0], xa[1]}) == 3
     else:  # "...ls,...se->...le"
         ok = xa[1] == xb[0] and xo == xa[0] + xb[1] and len({xa[0], xa[1], xb[1]}) == 3
-    return (args[1], args[2]) if ok else None
+    return Operands(args[1], args[2], shared) if ok else None
 
 
 def _negate(facts: ModuleFacts, cond: cst.BaseExpression) -> str:
@@ -266,6 +279,8 @@ def _negate(facts: ModuleFacts, cond: cst.BaseExpression) -> str:
         for kind, op in flip.items():
             if isinstance(target.operator, kind):
                 return f"{facts.code(cond.left)} {op} {facts.code(target.comparator)}"
+    if isinstance(cond, cst.UnaryOperation) and isinstance(cond.operator, cst.BitInvert):
+        return facts.code(cond.expression)  # ``masked_fill(~keep, -inf)``: the keep-mask itself
     code = facts.code(cond)
     atomic = isinstance(cond, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
     return f"~{code}" if atomic else f"~({code})"

@@ -205,7 +205,14 @@ class Sdpa(Transform):
 
     def _sdpa_call(self, facts: ModuleFacts, edits: Edits, m: _Match, wrap: bool = False) -> cst.BaseExpression:
         fn = self._functional(facts, edits)
-        args = [facts.code(m.q), facts.code(m.k), facts.code(m.v)]
+        q = facts.code(m.q)
+        args = [q, facts.code(m.k), facts.code(m.v)]
+        for i, role in ((1, "k"), (2, "v")):
+            if role in m.shared:  # one key/value head: broadcast to the query's heads (a view, no copy)
+                node = m.k if role == "k" else m.v
+                atomic = isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
+                operand = args[i] if atomic else f"({args[i]})"
+                args[i] = f"{operand}.unsqueeze(-3).expand(*{q}.shape[:-2], -1, -1)"
         causal = [x for x in m.masks if x.kind == "causal"]
         others = [x for x in m.masks if x.kind != "causal"]
         if others:
@@ -253,6 +260,8 @@ class Sdpa(Transform):
             parts.append("dropout")
         if _scale_code(facts, m) is not None:
             parts.append("own scale")
+        if m.shared:
+            parts.append("one key/value head for every query head")
         return f" ({', '.join(parts)})" if parts else ""
 
     @staticmethod
