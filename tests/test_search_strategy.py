@@ -948,6 +948,10 @@ def test_a_timed_out_confirmation_pair_is_unmeasured_never_evidence_against(tmp_
         ((2.0, 2.0, 2.0, 2.0, 2.0), "slower (94% interval 0.500x to 0.500x)"),
         ((0.5, 2.0, 0.5, 2.0, 0.5), "not shown faster (94% interval 0.500x to 2.000x holds 1.0)"),
         ((0.999, 0.999, 0.999, 0.999, 0.999), "faster by too little to keep (a median of 1.001x"),
+        # inside 5% either way: a tie, said as one (no more pairs are run for it)
+        ((0.98, 1.03, 0.99, 1.02, 0.97), "a tie: within 5% of the baseline either way (94% interval 0.971x to "
+                                         "1.031x)"),
+        ((0.9, 1.03, 0.99, 1.02, 0.97), "not shown faster (94% interval 0.971x to 1.111x holds 1.0)"),
     ],
 )
 def test_the_verdict_word_follows_the_interval(candidate, starts, tmp_path, monkeypatch):
@@ -955,6 +959,16 @@ def test_the_verdict_word_follows_the_interval(candidate, starts, tmp_path, monk
     c = search.verdict_of({}, _pairs(*[(1.0, s) for s in candidate]), None, None, "m")
     assert c.reason.startswith(starts), c.reason
     assert c.accepted == (starts == "faster in 5 of 5 A/B pairs")
+
+
+@pytest.mark.parametrize("candidate, settled", [
+    ((0.98, 1.03, 0.99, 1.02, 0.97), True),  # a tie within 5%: confirm_one stops at --confirm pairs
+    ((0.9, 1.03, 0.99, 1.02, 0.97), False),  # straddles 1.0 beyond 5%: more pairs, up to MORE_PAIRS x --confirm
+    ((0.5, 0.5, 0.5, 0.5, 0.5), True),  # clear of 1.0
+])
+def test_a_confirmation_settles_when_clear_of_one_or_a_tie(candidate, settled, tmp_path, monkeypatch):
+    search, _, _ = fake_search(tmp_path, monkeypatch)
+    assert search.verdict_of({}, _pairs(*[(1.0, s) for s in candidate]), None, None, "m").settled is settled
 
 
 def test_a_configuration_is_affordable_only_where_its_own_confirmation_fits_too(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from autotune.search.budget import ALPHA
-from autotune.search.outcome import Confirmation
+from autotune.search.outcome import TIE, Confirmation, is_tie
 from autotune.search.ports import Confirming
 from autotune.search.stats import median_interval, sign_test
 from autotune.search.space import config_key
@@ -83,6 +83,9 @@ def verdict(
             word = f"slower ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x)"
         elif low > 1.0:
             word = f"faster by too little to keep (a median of {median_ratio:.3f}x; it needs above {1 + MIN_GAIN:.2f}x)"
+        elif is_tie(low, high):
+            word = (f"a tie: within {100 * TIE:.0f}% of the baseline either way ({100 * cover:.0f}% interval "
+                    f"{low:.3f}x to {high:.3f}x)")
         else:
             word = f"not shown faster ({100 * cover:.0f}% interval {low:.3f}x to {high:.3f}x holds 1.0)"
         reason = (
@@ -119,7 +122,8 @@ def confirm_one(
     """Measure ``config`` against the baseline in A/B pairs on this machine (a candidate of any machine).
 
     --confirm measured pairs first (time was set aside for them when ``must``); then, while the interval of the
-    median speedup straddles 1.0, more, up to MORE_PAIRS times as many. A pair starts only where it can finish
+    median speedup straddles 1.0 (and is no tie: within TIE of 1.0 either way), more, up to MORE_PAIRS times as
+    many. A pair starts only where it can finish
     inside the budget; one that timed out measured nothing and is run again, as time allows.
     """
     key = config_key(config)

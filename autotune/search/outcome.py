@@ -20,6 +20,10 @@ from autotune.search.study import ROLE_BASELINE, ROLE_CONFIRM, ROLE_PERTURBED
 from autotune.search.trial import TrialResult
 
 
+# a confirmation whose interval holds 1.0 but lies within this of it either way is a tie: more pairs could at most
+# show a gain this small, which is not worth the pairs (the baseline, the simpler configuration, is kept)
+TIE = 0.05
+
 # a winner whose whole run is slower than the baseline's by more than this (the median of its pairs, and slower in
 # most of them) is not kept: "never slower, within noise" (autotune.search.whole)
 SLOWER = 1.05
@@ -141,9 +145,15 @@ class Confirmation:
 
     @property
     def settled(self) -> bool:
-        """Whether the interval is clear of 1.0 (more pairs would not change the verdict's direction)."""
+        """Whether the interval is clear of 1.0 (more pairs would not change the verdict's direction), or is a tie:
+        inside TIE of 1.0 either way (more pairs could show at most a gain not worth keeping)."""
         iv = self.interval
-        return iv is not None and (iv[0] > 1.0 or iv[1] < 1.0)
+        return iv is not None and (iv[0] > 1.0 or iv[1] < 1.0 or is_tie(iv[0], iv[1]))
+
+
+def is_tie(low: float, high: float) -> bool:
+    """An interval of the median speedup that holds 1.0 and lies within TIE of it either way."""
+    return 1.0 / (1.0 + TIE) <= low <= 1.0 <= high <= 1.0 + TIE
 
 
 @dataclass(frozen=True)
