@@ -389,7 +389,7 @@ def test_a_budget_too_small_for_the_least_search_is_refused_after_one_run_naming
         search.run()
 
 
-class CrowdedRunner(FakeRunner):
+class OtherWorkRunner(FakeRunner):
     """Every run loses one of the machine's two processors to other work."""
 
     def run(self, config, role, timeout, on_start=None, attrs=None, **more):
@@ -403,7 +403,7 @@ def test_a_budget_too_small_under_other_work_says_the_other_work_is_why(tmp_path
     from autotune.search.budget import BudgetTooSmall
 
     search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=40.0)
-    search.runner_factory = lambda *a, **k: CrowdedRunner(clock)
+    search.runner_factory = lambda *a, **k: OtherWorkRunner(clock)
     with pytest.raises(BudgetTooSmall) as refused:
         search.run()
     message = str(refused.value)
@@ -1265,7 +1265,7 @@ def test_the_run_length_a_trial_reads_ranks_by_the_whole_run_and_compile_stays_o
     if run_steps == 30:
         assert [(r.attrs["pair"], r.attrs["arm"]) for r in whole] == [
             (0, "baseline"), (0, "candidate"), (1, "candidate"), (1, "baseline"), (2, "baseline"), (2, "candidate")]
-        assert re.fullmatch(rf"steady state \d+\.\d\dx; your 30-step run measured whole \(process start to exit, 3 A/B "
+        assert re.fullmatch(r"steady state \d+\.\d\dx; your 30-step run measured whole \(process start to exit, 3 A/B "
                             r"pairs\): \d+\.\ds -> \d+\.\ds \(\d\.\d\dx, \d\.\d\dx to \d\.\d\dx\)", out.whole_run), out.whole_run
     else:
         assert not whole
