@@ -289,6 +289,18 @@ def test_switch_helper_calls_the_library_only_when_the_knob_is_on(tmp_path, monk
         def set_grad_checkpointing(self, enable=True):
             called.append(("timm", enable))
 
+    class UNet:  # diffusers' ModelMixin: no arguments, non-reentrant checkpointing of its own
+        _supports_gradient_checkpointing = True
+
+        def enable_gradient_checkpointing(self):
+            called.append(("diffusers", None))
+
+    class OldUNet(UNet):  # UNet2DModel before diffusers 0.32: enable_gradient_checkpointing() raises
+        _supports_gradient_checkpointing = False
+
+        def enable_gradient_checkpointing(self):
+            raise ValueError("OldUNet does not support gradient checkpointing.")
+
     runtime.reset()
     for model, method in ((NewHF(), "gradient_checkpointing_enable"), (Timm(), "set_grad_checkpointing")):
         runtime.checkpoint_switch(model, method)
@@ -298,12 +310,16 @@ def test_switch_helper_calls_the_library_only_when_the_knob_is_on(tmp_path, monk
     monkeypatch.setenv(runtime.CONFIG_ENV, str(config))
     runtime.reset()
     try:
+        runtime.checkpoint_switch(OldUNet(), "enable_gradient_checkpointing")
+        assert runtime.applied() == []  # a class without the switch: nothing changed, not credited to the knob
         runtime.checkpoint_switch(NewHF(), "gradient_checkpointing_enable")
         runtime.checkpoint_switch(OldHF(), "gradient_checkpointing_enable")
         runtime.checkpoint_switch(Timm(), "set_grad_checkpointing")
+        runtime.checkpoint_switch(UNet(), "enable_gradient_checkpointing")
+        assert runtime.applied() == ["checkpointing.framework"]
     finally:
         runtime.reset()
-    assert called == [("new", {"use_reentrant": False}), ("old", None), ("timm", True)]
+    assert called == [("new", {"use_reentrant": False}), ("old", None), ("timm", True), ("diffusers", None)]
 
 
 @pytest.mark.slow
@@ -349,22 +365,13 @@ def test_a_transformers_model_built_from_its_config_has_the_librarys_switch(tmp_
     assert bool(found) is applies, [s.reason for s in run(load_project(script), select(["checkpointing"])).sites]
 
 
-@pytest.mark.parametrize("uses, applies", [
-    ("sd_hf = hf.state_dict()\nprint(hf.config.n_layer)\n", False),  # nanoGPT's from_pretrained: its weights copied
-    ("sd_hf = hf.state_dict()\nout = hf(torch.zeros(1, 4, dtype=torch.long))\n", True),  # also run
-    ("model.load_state_dict(hf.state_dict())\nhf.train()\n", True),  # put in training mode: it may train
-    # diffusers' load_model_hook: the weights copied, then the copy deleted
-    ("model.load_state_dict(hf.state_dict())\ndel hf\n", False),
-])
-def test_a_library_model_only_read_for_its_weights_gets_no_switch(tmp_path, uses, applies):
+def _gpt2_site(tmp_path, function: str, call: str):
+    """The checkpointing site of the GPT2LMHeadModel that ``function`` (a def, with its decorators) builds as ``hf``,
+    in a script whose own small model trains and that calls ``call`` once."""
     script = tmp_path / "train.py"
     script.write_text(
         "import torch\nfrom transformers import GPT2LMHeadModel\n"
-        "model = torch.nn.Linear(4, 4)\n"
-        "def load():\n"
-        "    hf = GPT2LMHeadModel.from_pretrained('gpt2')\n"
-        + "".join(f"    {line}\n" for line in uses.splitlines()) +
-        "load()\n"
+        "model = torch.nn.Linear(4, 4)\n" + function + call + "\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "for batch in range(3):\n"
         "    loss = model(torch.ones(2, 4)).sum()\n"
@@ -373,6 +380,19 @@ def test_a_library_model_only_read_for_its_weights_gets_no_switch(tmp_path, uses
     )
     (site,) = [s for s in run(load_project(script), select(["checkpointing"]), hooks=False).sites
                if "GPT2LMHeadModel" in s.reason]
+    return site
+
+
+@pytest.mark.parametrize("uses, applies", [
+    ("sd_hf = hf.state_dict()\nprint(hf.config.n_layer)\n", False),  # nanoGPT's from_pretrained: its weights copied
+    ("sd_hf = hf.state_dict()\nout = hf(torch.zeros(1, 4, dtype=torch.long))\n", True),  # also run
+    ("model.load_state_dict(hf.state_dict())\nhf.train()\n", True),  # put in training mode: it may train
+    # diffusers' load_model_hook: the weights copied, then the copy deleted
+    ("model.load_state_dict(hf.state_dict())\ndel hf\n", False),
+])
+def test_a_library_model_only_read_for_its_weights_gets_no_switch(tmp_path, uses, applies):
+    site = _gpt2_site(tmp_path, "def load():\n    hf = GPT2LMHeadModel.from_pretrained('gpt2')\n"
+                      + "".join(f"    {line}\n" for line in uses.splitlines()), "load()")
     if applies:
         assert site.status is Status.APPLICABLE and "own switch" in site.reason
     else:
@@ -387,23 +407,9 @@ def test_a_library_model_only_read_for_its_weights_gets_no_switch(tmp_path, uses
     ("", True),
 ])
 def test_a_library_model_an_evaluator_builds_under_no_grad_gets_no_switch(tmp_path, decorator, applies):
-    script = tmp_path / "train.py"
-    script.write_text(
-        "import torch\nfrom transformers import GPT2LMHeadModel\n"
-        "model = torch.nn.Linear(4, 4)\n"
-        f"{decorator}\n"
-        "def evaluate(model_type):\n"
-        "    hf = GPT2LMHeadModel.from_pretrained(model_type)\n"
-        "    return hf(torch.zeros(1, 4, dtype=torch.long)).logits.mean()\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for batch in range(3):\n"
-        "    loss = model(torch.ones(2, 4)).sum()\n"
-        "    loss.backward()\n"
-        "    opt.step()\n"
-        "print(evaluate('gpt2'))\n"
-    )
-    (site,) = [s for s in run(load_project(script), select(["checkpointing"]), hooks=False).sites
-               if "GPT2LMHeadModel" in s.reason]
+    site = _gpt2_site(tmp_path, f"{decorator}\ndef evaluate(model_type):\n    hf = GPT2LMHeadModel.from_pretrained("
+                      "model_type)\n    return hf(torch.zeros(1, 4, dtype=torch.long)).logits.mean()\n",
+                      "print(evaluate('gpt2'))")
     if applies:
         assert site.status is Status.APPLICABLE and "own switch" in site.reason
     else:
@@ -456,34 +462,6 @@ def test_a_diffusers_model_bound_once_on_each_path_gets_the_switch(tmp_path, bra
         assert len(found) == branches.count("UNet2DModel(") + branches.count("UNet2DModel.from_")
         assert {(s.status, s.reason) for s in found} == {
             (Status.NOT_APPLICABLE, "`model` is bound more than once: which model trains is unclear")}
-
-
-def test_the_diffusers_switch_is_called_only_where_the_model_class_has_it(tmp_path, monkeypatch):
-    called = []
-
-    class UNet:  # diffusers' ModelMixin: no arguments, non-reentrant checkpointing of its own
-        _supports_gradient_checkpointing = True
-
-        def enable_gradient_checkpointing(self):
-            called.append("unet")
-
-    class OldUNet(UNet):  # UNet2DModel before diffusers 0.32: enable_gradient_checkpointing() raises
-        _supports_gradient_checkpointing = False
-
-        def enable_gradient_checkpointing(self):
-            raise ValueError("OldUNet does not support gradient checkpointing.")
-
-    config = tmp_path / "on.yaml"
-    config.write_text("knobs:\n  checkpointing.framework: true\n")
-    monkeypatch.setenv(runtime.CONFIG_ENV, str(config))
-    runtime.reset()
-    try:
-        runtime.checkpoint_switch(OldUNet(), "enable_gradient_checkpointing")
-        assert called == [] and runtime.applied() == []  # nothing changed: not credited to the knob
-        runtime.checkpoint_switch(UNet(), "enable_gradient_checkpointing")
-        assert called == ["unet"] and runtime.applied() == ["checkpointing.framework"]
-    finally:
-        runtime.reset()
 
 
 def test_a_diffusers_unet_trains_bitwise_the_same_with_its_own_checkpointing(tmp_path):
