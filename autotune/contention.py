@@ -2,10 +2,11 @@
 other work is told apart from a slow configuration.
 
 Two readings, one at each edge of the measured window: the machine's processor time by kind (/proc/stat: busy,
-stolen by the hypervisor, all), and the processor time of the trial's own processes (every process of its session,
-DataLoader workers and launcher ranks included). Between them: how many processors' worth of other work ran
-(``others``), how many the trial itself used (``own``), and the share of the machine's time the hypervisor gave to
-other guests (``steal``). Standard library only: it runs inside the user's training process.
+stolen by the hypervisor, all), and the processor time of the trial's own processes (every process below the one the
+search started, DataLoader workers and launcher ranks included, whichever session they are in). Between them: how
+many processors' worth of other work ran (``others``), how many the trial itself used (``own``), and the share of the
+machine's time the hypervisor gave to other guests (``steal``). Standard library only: it runs inside the user's
+training process.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 # other work worth this many processors during a run's steps is worth saying (the search's rows, its warnings)
 BUSY_OTHERS = 0.5
+# the search's pid, in every trial's environment: the trial's own processes are those below its child
+SEARCH_PID_ENV = "AUTOTUNE_SEARCH_PID"
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -26,7 +29,7 @@ class Reading:
     busy: int  # the machine's non-idle processor ticks, steal excluded
     steal: int
     total: int  # every tick of every processor
-    own: int  # the ticks of the processes in this session
+    own: int  # the ticks of the trial's own processes (this session's, outside a search)
 
 
 def _machine(text: str) -> tuple[int, int, int]:
@@ -42,9 +45,9 @@ def _stat_fields(text: str) -> list[str]:
     return text[text.rindex(")") + 2:].split()
 
 
-def _session_ticks(session: int, proc: str = "/proc") -> int:
-    """User and system ticks of every live process in ``session``."""
-    ticks = 0
+def _table(proc: str) -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, session, user and system ticks) of every live process."""
+    table = {}
     for name in os.listdir(proc):
         if not name.isdigit():
             continue
@@ -53,24 +56,52 @@ def _session_ticks(session: int, proc: str = "/proc") -> int:
                 rest = _stat_fields(f.read())
         except (OSError, ValueError):
             continue  # ended meanwhile
-        if len(rest) > 12 and int(rest[3]) == session:
-            ticks += int(rest[11]) + int(rest[12])  # utime, stime
+        if len(rest) > 12:
+            table[int(name)] = (int(rest[1]), int(rest[3]), int(rest[11]) + int(rest[12]))  # ppid, session, utime+stime
+    return table
+
+
+def _own_ticks(proc: str) -> int:
+    """The ticks of the trial's own processes: every process below the one the search started (its trial root,
+    found from this process up to the child of ``SEARCH_PID_ENV``'s pid), in whichever session: a launcher starts
+    each rank in a session of its own (torchrun does), and a sibling rank is the trial's work, not other work.
+    Outside a search (or where the root is not found): every process of this session."""
+    table = _table(proc)
+    search = os.environ.get(SEARCH_PID_ENV, "")
+    root, pid, seen = None, os.getpid(), set()
+    while search.isdigit() and pid in table and pid not in seen:
+        seen.add(pid)
+        if table[pid][0] == int(search):
+            root = pid
+            break
+        pid = table[pid][0]
+    if root is None:
+        session = os.getsid(0)
+        return sum(ticks for _, sid, ticks in table.values() if sid == session)
+    children: dict[int, list[int]] = {}
+    for child, (parent, _, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    ticks, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        ticks += table[pid][2]
+        stack.extend(children.get(pid, ()))
     return ticks
 
 
 def read(proc: str = "/proc") -> Reading | None:
-    """The machine's and this session's processor time now; None where there is no /proc to read."""
+    """The machine's and the trial's processor time now; None where there is no /proc to read."""
     try:
         with open(os.path.join(proc, "stat"), encoding="ascii") as f:
             busy, steal, total = _machine(f.read())
-        own = _session_ticks(os.getsid(0), proc)
+        own = _own_ticks(proc)
     except (OSError, ValueError, IndexError):
         return None
     return Reading(time.monotonic(), busy, steal, total, own)
 
 
 def between(a: Reading | None, b: Reading | None) -> dict[str, float] | None:
-    """What ran from ``a`` to ``b``, in processors' worth: ``own`` (this session), ``others`` (everything else), and
+    """What ran from ``a`` to ``b``, in processors' worth: ``own`` (the trial's), ``others`` (everything else), and
     ``steal`` (the hypervisor's share of all processor time); ``cores`` the processors counted. None where either
     reading is missing or the span is too short for the clock's ticks to say anything (under 0.2 s)."""
     if a is None or b is None:

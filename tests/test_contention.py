@@ -16,16 +16,17 @@ from autotune.contention import Reading, between
 TICK = contention._TICK
 
 
-def _fake_proc(root: Path, stat: str, procs: dict[int, tuple[str, int, int, int]]) -> Path:
-    """A /proc with ``stat`` and, for each pid, (command name, session, utime, stime)."""
+def _fake_proc(root: Path, stat: str, procs: dict[int, tuple]) -> Path:
+    """A /proc with ``stat`` and, for each pid, (command name, session, utime, stime[, parent pid])."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "stat").write_text(stat)
     (root / "self").mkdir(exist_ok=True)  # (not a pid: skipped)
-    for pid, (comm, session, utime, stime) in procs.items():
+    for pid, (comm, session, utime, stime, *parent) in procs.items():
         (root / str(pid)).mkdir()
+        ppid = parent[0] if parent else 1
         # fields 3..: state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime stime ...
         (root / str(pid) / "stat").write_text(
-            f"{pid} ({comm}) R 1 {session} {session} 0 -1 4194560 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n")
+            f"{pid} ({comm}) R {ppid} {session} {session} 0 -1 4194560 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n")
     return root
 
 
@@ -38,6 +39,26 @@ def test_the_machine_and_the_session_are_read_from_proc(tmp_path, monkeypatch):
     r = contention.read(str(proc))
     assert (r.busy, r.steal, r.total, r.own) == (100 + 5 + 50 + 1 + 2, 30, 100 + 5 + 50 + 800 + 10 + 1 + 2 + 30, 80)
     assert contention.read(str(tmp_path / "nowhere")) is None
+
+
+def test_under_a_launcher_every_rank_of_the_trial_is_its_own_work(tmp_path, monkeypatch):
+    # torchrun starts each rank in a session of its own: rank 1's processor time is the trial's, not other work
+    stat = "cpu  100 5 50 800 10 1 2 30 7 0\n"
+    proc = _fake_proc(tmp_path / "proc", stat, {
+        10: ("autotune", 5, 1, 1, 4),  # the search, in the user's session
+        20: ("torchrun", 20, 3, 1, 10),  # the trial the search started: its own session
+        21: ("rank0", 21, 40, 10, 20), 23: ("loader worker", 21, 7, 3, 21),  # this process and its worker
+        22: ("rank1", 22, 45, 5, 20),  # the other rank, in a session of its own
+        30: ("other", 7, 500, 500, 4),  # other work
+    })
+    monkeypatch.setattr(os, "getpid", lambda: 21)
+    monkeypatch.setattr(os, "getsid", lambda pid: 21)
+    monkeypatch.delenv(contention.SEARCH_PID_ENV, raising=False)
+    assert contention.read(str(proc)).own == 50 + 10  # outside a search: this session only (rank 0, its worker)
+    monkeypatch.setenv(contention.SEARCH_PID_ENV, "10")
+    assert contention.read(str(proc)).own == 4 + 50 + 10 + 50  # the trial's tree: the launcher and both ranks
+    monkeypatch.setenv(contention.SEARCH_PID_ENV, "99")  # not an ancestor: this session, as outside a search
+    assert contention.read(str(proc)).own == 60
 
 
 def test_between_two_readings_in_processors_worth():

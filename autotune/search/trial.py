@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from autotune.contention import SEARCH_PID_ENV
 from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
 from autotune.isolate import OVERLAY, Isolation, IsolationError
@@ -518,6 +519,7 @@ class Runner:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         env[CONFIG_ENV] = str(tdir / "config.yaml")
         env[TRIAL_ENV] = str(tdir / "spec.json")
+        env[SEARCH_PID_ENV] = str(os.getpid())  # the trial's own processes are those below its process (contention)
         cmd = [*(s.launcher or [sys.executable]), str(self.entry), *s.args]
         return cmd, cwd, env
 
