@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # other work worth this many processors during a run's steps is worth saying (the search's rows, its warnings)
 BUSY_OTHERS = 0.5
@@ -45,10 +47,23 @@ def _stat_fields(text: str) -> list[str]:
     return text[text.rindex(")") + 2:].split()
 
 
-def _table(proc: str) -> dict[int, tuple[int, int, int]]:
-    """pid -> (parent pid, session, user and system ticks) of every live process."""
+class Process(NamedTuple):
+    """One live process, from /proc/PID/stat."""
+
+    parent: int
+    state: str  # "R", "S", "Z" (a zombie: ended, not yet reaped), ...
+    session: int
+    ticks: int  # user and system time
+
+
+def process_table(proc: str = "/proc") -> dict[int, Process]:
+    """Every live process by pid (empty where there is no /proc to read)."""
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return {}
     table = {}
-    for name in os.listdir(proc):
+    for name in names:
         if not name.isdigit():
             continue
         try:
@@ -57,36 +72,42 @@ def _table(proc: str) -> dict[int, tuple[int, int, int]]:
         except (OSError, ValueError):
             continue  # ended meanwhile
         if len(rest) > 12:
-            table[int(name)] = (int(rest[1]), int(rest[3]), int(rest[11]) + int(rest[12]))  # ppid, session, utime+stime
+            table[int(name)] = Process(int(rest[1]), rest[0], int(rest[3]), int(rest[11]) + int(rest[12]))
     return table
 
 
+def descendants(table: Mapping[int, Process], root: int, skip: Collection[int] = ()) -> list[int]:
+    """The processes below ``root`` in ``table``, whichever session they are in, leaving out the subtrees of
+    ``skip``."""
+    children: dict[int, list[int]] = {}
+    for pid, row in table.items():
+        children.setdefault(row.parent, []).append(pid)
+    found, todo = [], [p for p in children.get(root, ()) if p not in skip]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
 def _own_ticks(proc: str) -> int:
-    """The ticks of the trial's own processes: every process below the one the search started (its trial root,
-    found from this process up to the child of ``SEARCH_PID_ENV``'s pid), in whichever session: a launcher starts
+    """The ticks of the trial's own processes: the one the search started (its trial root, found from this process
+    up to the child of ``SEARCH_PID_ENV``'s pid) and every process below it, in whichever session: a launcher starts
     each rank in a session of its own (torchrun does), and a sibling rank is the trial's work, not other work.
     Outside a search (or where the root is not found): every process of this session."""
-    table = _table(proc)
+    table = process_table(proc)
     search = os.environ.get(SEARCH_PID_ENV, "")
     root, pid, seen = None, os.getpid(), set()
     while search.isdigit() and pid in table and pid not in seen:
         seen.add(pid)
-        if table[pid][0] == int(search):
+        if table[pid].parent == int(search):
             root = pid
             break
-        pid = table[pid][0]
+        pid = table[pid].parent
     if root is None:
         session = os.getsid(0)
-        return sum(ticks for _, sid, ticks in table.values() if sid == session)
-    children: dict[int, list[int]] = {}
-    for child, (parent, _, _) in table.items():
-        children.setdefault(parent, []).append(child)
-    ticks, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        ticks += table[pid][2]
-        stack.extend(children.get(pid, ()))
-    return ticks
+        return sum(row.ticks for row in table.values() if row.session == session)
+    return table[root].ticks + sum(table[p].ticks for p in descendants(table, root))
 
 
 def read(proc: str = "/proc") -> Reading | None:

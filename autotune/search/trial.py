@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from autotune.contention import SEARCH_PID_ENV
+from autotune.contention import SEARCH_PID_ENV, descendants, process_table
 from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
 from autotune.isolate import OVERLAY, Isolation, IsolationError
@@ -358,54 +358,21 @@ def _subreaper(on: bool | None = None) -> bool:
         return False
 
 
-def _process_table() -> dict[int, tuple[int, str]]:
-    """Each process's parent id and state letter, from /proc (empty where there is none)."""
-    table = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return table
-    for name in names:
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-                state, ppid = stat[stat.rindex(b")") + 2 :].split()[:2]  # the name in (...) may hold spaces
-            except (OSError, ValueError):
-                continue  # gone meanwhile
-            table[int(name)] = (int(ppid), state.decode())
-    return table
-
-
-def _descendants(table: Mapping[int, tuple[int, str]], root: int, skip: set[int]) -> list[int]:
-    """The processes below ``root`` in ``table``, leaving out the subtrees of ``skip``."""
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = [], [p for p in children.get(root, ()) if p not in skip]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, ()))
-    return found
-
-
 def _end_descendants(skip: set[int], trial_pid: int) -> None:
     """SIGKILL every process below this one but ``skip`` (the children it had before the trial), reaping each that
     became its child, until none is left; ``trial_pid`` is left for its Popen to reap."""
     me = os.getpid()
     deadline = time.monotonic() + REAP_S
     while True:
-        table = _process_table()
-        left = [p for p in _descendants(table, me, skip) if not (p == trial_pid and table[p][1] == "Z")]
+        table = process_table()
+        left = [p for p in descendants(table, me, skip) if not (p == trial_pid and table[p].state == "Z")]
         if not left or time.monotonic() > deadline:
             return
         for pid in left:
-            ppid, state = table[pid]
-            if state != "Z":
+            if table[pid].state != "Z":
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            if ppid == me and pid != trial_pid:
+            if table[pid].parent == me and pid != trial_pid:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
         time.sleep(0.01)
@@ -535,7 +502,7 @@ class Runner:
         if whole:
             reported = never
         # output goes to files, not pipes: a pipe stays open as long as any orphaned DataLoader worker holds it
-        others = {p for p, (ppid, _) in _process_table().items() if ppid == os.getpid()}
+        others = {p for p, row in process_table().items() if row.parent == os.getpid()}
         with open(tdir / "stdout.log", "wb") as out, open(tdir / "stderr.log", "wb") as err:
             try:
                 proc = subprocess.Popen(
