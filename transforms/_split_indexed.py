@@ -12,7 +12,7 @@ import libcst.matchers as m
 
 from autotune.analysis import ModuleFacts
 from autotune.syntax import assignments, is_reference, names_variable, walk
-from autotune.transforms._split_reads import Refusal, line_of
+from autotune.transforms._split_reads import Refusal, factors, first_dimension, line_of, module_function
 
 
 def bound_arguments(defined: cst.FunctionDef, call: cst.Call) -> dict[str, cst.BaseExpression] | None:
@@ -37,8 +37,7 @@ def indexed_call(facts: ModuleFacts, read: cst.Name) -> cst.Call | None:
     call = facts.parent(arg) if isinstance(arg, cst.Arg) and arg.value is read else None
     if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Name)):
         return None
-    defined = [d for d in facts.module.body if isinstance(d, cst.FunctionDef) and d.name.value == call.func.value]
-    return call if len(defined) == 1 else None
+    return call if module_function(facts, call.func.value) is not None else None
 
 
 def from_indexed(facts: ModuleFacts, inner: cst.For, call: cst.Call, accumulation: cst.BaseExpression):
@@ -46,7 +45,7 @@ def from_indexed(facts: ModuleFacts, inner: cst.For, call: cst.Call, accumulatio
     accumulation count the split leaves right) for ``call``, which is given the micro-step counter of ``inner``; or a
     Refusal."""
     name = call.func.value  # type: ignore[attr-defined]
-    (defined,) = [d for d in facts.module.body if isinstance(d, cst.FunctionDef) and d.name.value == name]
+    defined = module_function(facts, name)
     counter = inner.target.value  # type: ignore[attr-defined]
     given = bound_arguments(defined, call)
     index = [p for p, v in (given or {}).items() if m.matches(v, m.Name(counter))]
@@ -148,10 +147,8 @@ def _slice_start(facts: ModuleFacts, start: cst.CSTNode, size: str, allowed: lis
     bounds = facts.parent(start)
     length = m.BinaryOperation(left=m.MatchIfTrue(lambda left: facts.code(left) == facts.code(start)),
                                operator=m.Add(), right=m.MatchIfTrue(lambda right: facts.code(right) == size))
-    element = facts.parent(bounds)
-    subscript = facts.parent(element)
     if not (m.matches(bounds, m.Slice(upper=length, step=None)) and bounds.lower is start
-            and isinstance(subscript, cst.Subscript) and subscript.slice[0] is element):
+            and first_dimension(facts, bounds)):
         return Refusal(start, f"{facts.code(start)} at line {line_of(facts, start)} is not the start of a slice "
                               f"[{facts.code(start)}:{facts.code(start)} + {size}] of rows: which rows are taken at a "
                               "bigger micro-batch is not known")
@@ -165,12 +162,5 @@ def _offset_kept(facts: ModuleFacts, offset: cst.BaseExpression, size: str, coun
     codes = [facts.code(n) for n in walk(offset, itself=True) if isinstance(n, (cst.Name, cst.Attribute))]
     if size not in codes and count not in codes:
         return True
-    factors = []
-    stack = [offset]
-    while stack:
-        node = stack.pop()
-        if m.matches(node, m.BinaryOperation(operator=m.Multiply())):
-            stack += [node.left, node.right]
-        else:
-            factors.append(facts.code(node))
-    return factors.count(size) == 1 and factors.count(count) == 1 and codes.count(size) == codes.count(count) == 1
+    # each read once, and as a factor of the product (not inside a sum within it)
+    return codes.count(size) == codes.count(count) == 1 and {size, count} <= factors(facts, offset)

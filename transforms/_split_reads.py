@@ -131,6 +131,19 @@ def logging_if(facts: ModuleFacts, name: cst.Name, loop: cst.CSTNode) -> cst.If 
     return test_of
 
 
+def module_function(facts: ModuleFacts, name: str) -> cst.FunctionDef | None:
+    """The module-level ``def name`` of this module, if it is the only binding of ``name`` there."""
+    found = [d for d in facts.module.body if isinstance(d, cst.FunctionDef) and d.name.value == name]
+    return found[0] if len(found) == 1 else None
+
+
+def first_dimension(facts: ModuleFacts, bounds: cst.Slice) -> bool:
+    """Whether the slice ``bounds`` is the first (or only) index of its subscript: ``x[a:b]``, ``x[a:b, :]``."""
+    element = facts.parent(bounds)
+    subscript = facts.parent(element)
+    return isinstance(subscript, cst.Subscript) and subscript.slice[0] is element
+
+
 def line_of(facts: ModuleFacts, node: cst.CSTNode) -> int:
     """The line of the statement that holds ``node``."""
     return position_of(facts, facts.statement_of(node))[0]
@@ -245,7 +258,7 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, expected: Expect
             other = parent.left if parent.right is n else parent.right
             if any(isinstance(m, cst.Name) and m.value in losses for m in walk(other, itself=True)):
                 continue
-            if partner is not None and partner in _factors(facts, _product(facts, n)):
+            if partner is not None and partner in factors(facts, _product(facts, n)):
                 continue
         target = facts.parent(parent)
         test = facts.parent(target) if isinstance(target, cst.ComparisonTarget) else None
@@ -264,10 +277,10 @@ def _product(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
     return node
 
 
-def _factors(facts: ModuleFacts, node: cst.CSTNode) -> set[str]:
+def factors(facts: ModuleFacts, node: cst.CSTNode) -> set[str]:
     """The code of each factor of a product (``a * b * c``: a, b, c)."""
     if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Multiply):
-        return _factors(facts, node.left) | _factors(facts, node.right)
+        return factors(facts, node.left) | factors(facts, node.right)
     return {facts.code(node)}
 
 

@@ -18,8 +18,8 @@ from autotune.syntax import (
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._split_indexed import from_indexed, indexed_call
 from autotune.transforms._split_reads import (
-    ALREADY, Expected, Refusal, Split, accumulation_of, enumerate_start, last_micro_test, length_read,
-    line_of, logging_if, parameters_of, placed_split, position_of, read_elsewhere,
+    ALREADY, Expected, Refusal, Split, accumulation_of, enumerate_start, first_dimension, last_micro_test,
+    length_read, line_of, module_function, logging_if, parameters_of, placed_split, position_of, read_elsewhere,
 )
 from autotune.transforms._step import CLIP
 from autotune.transforms.accelerator import ACCELERATORS
@@ -393,17 +393,11 @@ def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, accumu
         if m.matches(call, _NEXT_OF_NAME):
             return _from_iterator(facts, inner, call.args[0].value.value, accumulation)
         if isinstance(func, cst.Name):
-            defined = _function(facts, func.value)
+            defined = module_function(facts, func.value)
             if defined is not None and any(facts.qualname(c.func) == RANDINT for c in facts.nodes_in(defined, cst.Call)):
                 return _from_sampler(facts, loop, inner, defined)
     return Refusal(inner, ("the micro-batches of the inner loop come neither from next() of a DataLoader's iterator nor from a "
                            "function of the script's that draws torch.randint indices: their size is not known"))
-
-
-def _function(facts: ModuleFacts, name: str) -> cst.FunctionDef | None:
-    """The module-level ``def name`` of this module, if it is the only binding of ``name`` there."""
-    found = [d for d in facts.module.body if isinstance(d, cst.FunctionDef) and d.name.value == name]
-    return found[0] if len(found) == 1 else None
 
 
 def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str, accumulation: str):
@@ -588,7 +582,7 @@ def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
         parent = facts.parent(n)
         upper = parent if isinstance(parent, cst.BinaryOperation) else None  # ``start + batch_size``
         bounds = facts.parent(upper) if upper is not None else parent
-        if m.matches(bounds, in_slice) and (upper is None or upper is bounds.upper) and _first_dimension(facts, bounds):
+        if m.matches(bounds, in_slice) and (upper is None or upper is bounds.upper) and first_dimension(facts, bounds):
             if upper is not None:
                 uppers.append(upper.right)
             continue
@@ -597,13 +591,6 @@ def _sliced(facts: ModuleFacts, loop: cst.For, source: cst.Call):
     if not uppers:
         return Refusal(loop, f"no slice [{start}:{start} + {code}] in the loop: where its micro-batches come from is not known")
     return micro, frozenset(uppers)
-
-
-def _first_dimension(facts: ModuleFacts, bounds: cst.Slice) -> bool:
-    """Whether the slice ``bounds`` is the first (or only) index of its subscript: ``x[a:b]``, ``x[a:b, :]``."""
-    element = facts.parent(bounds)
-    subscript = facts.parent(element)
-    return isinstance(subscript, cst.Subscript) and subscript.slice[0] is element
 
 
 def _divides(facts: ModuleFacts, node: cst.CSTNode, code: str) -> bool:
