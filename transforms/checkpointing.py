@@ -67,24 +67,18 @@ def _is_switch_call(call: cst.Call, name: str) -> bool:
     )
 
 
-def _rebound_in_scope(facts: ModuleFacts, assign: cst.Assign, name: str) -> bool:
-    """Whether ``name`` gets another model in the same scope (``model = other`` as opposed to ``model.to(...)``),
-    other than in the other branch of an if/else (``_branches``)."""
-    return len(_bindings(facts, assign, name)) > 1 and _branches(facts, assign, name) is None
-
-
 def _bindings(facts: ModuleFacts, assign: cst.Assign, name: str) -> list[cst.Assign]:
-    """The assignments of a library model to ``name`` in ``assign``'s scope."""
+    """The assignments of a library model to ``name`` in ``assign``'s scope (``model = other`` as opposed to
+    ``model.to(...)``)."""
     scope = facts.function_of(assign) or facts.module
     return [a for a in facts.nodes_in(scope, cst.Assign)
             if any(is_name(t.target, name) for t in a.targets) and _library_model(facts, a.value) is not None]
 
 
-def _branches(facts: ModuleFacts, assign: cst.Assign, name: str) -> cst.If | None:
-    """The ``if``/``else`` whose two branches each bind ``name`` to a model of one library, once, directly in the
-    branch (diffusers' ``UNet2DModel(...)`` from arguments, else ``UNet2DModel.from_config(...)``), where no other
-    statement of the scope binds it so: the model is whichever branch ran, built once either way."""
-    found = _bindings(facts, assign, name)
+def _branches(facts: ModuleFacts, found: list[cst.Assign]) -> cst.If | None:
+    """The ``if``/``else`` whose two branches each bind the name to a model of one library, once, directly in the
+    branch (diffusers' ``UNet2DModel(...)`` from arguments, else ``UNet2DModel.from_config(...)``), where ``found``,
+    the scope's bindings of the name, are those two: the model is whichever branch ran, built once either way."""
     if len(found) != 2 or len({_library_model(facts, a.value) for a in found}) != 1:
         return None
     first, second = (facts.statement_of(a) for a in found)
@@ -198,8 +192,9 @@ class Checkpointing(Transform):
             if library is None or len(assign.targets) != 1 or not is_name(assign.targets[0].target):
                 continue
             name = assign.targets[0].target.value  # type: ignore[attr-defined]
-            branches = _branches(facts, assign, name)
-            if branches is not None and assign is not _bindings(facts, assign, name)[0]:
+            bound = _bindings(facts, assign, name)
+            branches = _branches(facts, bound)
+            if branches is not None and assign is not bound[0]:
                 continue  # the else branch's model: one site, at the first branch's, switched after the if/else
             method = SWITCHES[library]
             made = f"{name} = {short(facts, assign.value)}"
@@ -218,7 +213,7 @@ class Checkpointing(Transform):
                             "is the knob here (hf_trainer.gradient_checkpointing)")
             elif not self.project.loops:
                 self.report(facts, assign, Status.NOT_APPLICABLE, "no training loop in this script")
-            elif _rebound_in_scope(facts, assign, name):
+            elif len(bound) > 1 and branches is None:  # another model bound to the name in the same scope
                 self.report(facts, assign, Status.NOT_APPLICABLE, f"`{name}` is bound more than once: which model trains is unclear")
             elif (read := _weights_only(facts, assign, name)) is not None:
                 self.report(facts, assign, Status.NOT_APPLICABLE,
