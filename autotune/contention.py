@@ -90,12 +90,15 @@ def descendants(table: Mapping[int, Process], root: int, skip: Collection[int] =
     return found
 
 
-def _own_ticks(proc: str) -> int:
+def _own_ticks(proc: str, root: int | None = None) -> int:
     """The ticks of the trial's own processes: the one the search started (its trial root, found from this process
     up to the child of ``SEARCH_PID_ENV``'s pid) and every process below it, in whichever session: a launcher starts
     each rank in a session of its own (torchrun does), and a sibling rank is the trial's work, not other work.
-    Outside a search (or where the root is not found): every process of this session."""
+    Outside a search (or where the root is not found): every process of this session. ``root``: that process and
+    every process below it instead (the search reading its own trial from outside)."""
     table = process_table(proc)
+    if root is not None:
+        return (table[root].ticks if root in table else 0) + sum(table[p].ticks for p in descendants(table, root))
     search = os.environ.get(SEARCH_PID_ENV, "")
     root, pid, seen = None, os.getpid(), set()
     while search.isdigit() and pid in table and pid not in seen:
@@ -110,12 +113,13 @@ def _own_ticks(proc: str) -> int:
     return table[root].ticks + sum(table[p].ticks for p in descendants(table, root))
 
 
-def read(proc: str = "/proc") -> Reading | None:
-    """The machine's and the trial's processor time now; None where there is no /proc to read."""
+def read(proc: str = "/proc", root: int | None = None) -> Reading | None:
+    """The machine's and the trial's processor time now (``root``: the processor time of that process and every
+    process below it as the own); None where there is no /proc to read."""
     try:
         with open(os.path.join(proc, "stat"), encoding="ascii") as f:
             busy, steal, total = _machine(f.read())
-        own = _own_ticks(proc)
+        own = _own_ticks(proc, root)
     except (OSError, ValueError, IndexError):
         return None
     return Reading(time.monotonic(), busy, steal, total, own)

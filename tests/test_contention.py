@@ -61,6 +61,19 @@ def test_under_a_launcher_every_rank_of_the_trial_is_its_own_work(tmp_path, monk
     assert contention.read(str(proc)).own == 60
 
 
+def test_read_from_outside_the_trial_its_own_work_is_everything_below_the_search(tmp_path, monkeypatch):
+    # the search's look during its first run: the search and its whole tree are its own, whatever the session
+    stat = "cpu  100 5 50 800 10 1 2 30 7 0\n"
+    proc = _fake_proc(tmp_path / "proc", stat, {
+        10: ("autotune", 5, 2, 1, 4), 20: ("python", 20, 30, 5, 10), 21: ("worker", 20, 7, 3, 20),
+        30: ("other", 7, 500, 500, 4), 31: ("its child", 7, 9, 1, 30),
+    })
+    monkeypatch.setattr(os, "getsid", lambda pid: 5)
+    assert contention.read(str(proc), root=10).own == 3 + 35 + 10
+    assert contention.read(str(proc), root=99).own == 0  # gone: nothing of its own
+    assert contention.read(str(proc)).own == 3  # without a root: this session, as before
+
+
 def test_between_two_readings_in_processors_worth():
     a = Reading(at=10.0, busy=1000, steal=0, total=4000, own=300)
     # 2 s on 2 processors: 4 s of ticks; the session used 2 s (1 processor), the machine 3.5 s busy, 0.2 s stolen
@@ -125,3 +138,71 @@ def test_the_noise_warning_names_the_other_work_the_runs_measured():
     assert "no other work took processors from their steps (at most 0.2)" in quiet
     unread = noise_warning(0.4, [run(None, load=3.5), run(None, load=3.5)], (2, 1))  # (a runtime that did not read)
     assert "load average 3.5" in unread and "other processes compete" in unread
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _readings(others_cores: float, own_cores: float, span: float = 20.0):
+    """Two readings ``span`` seconds apart on 2 processors: the search's tree used ``own_cores``, others the rest."""
+    a = Reading(at=0.0, busy=1000, steal=0, total=4000, own=300)
+    busy = int((own_cores + others_cores) * span * TICK)
+    b = Reading(at=span, busy=1000 + busy, steal=0, total=4000 + int(2 * span * TICK), own=300 + int(own_cores * span * TICK))
+    return [a, b]
+
+
+def test_the_first_run_watch_says_other_work_once_twenty_seconds_in():
+    from autotune.search.crowd import WATCH_S, FirstRunWatch
+
+    notes, clock, reads = [], _Clock(), _readings(others_cores=1.0, own_cores=1.0)
+    asked = []
+
+    def read(root):
+        asked.append(root)
+        return reads.pop(0)
+
+    watch = FirstRunWatch(notes.append, root=123, read=read, clock=clock)
+    watch()  # the first poll: the first reading
+    clock.now += WATCH_S - 1
+    watch()
+    assert notes == [] and asked == [123]  # not yet: one reading only
+    clock.now += 1
+    watch()
+    assert len(notes) == 1 and asked == [123, 123]
+    assert notes[0].startswith("warning: other work on this machine is taking 1.0 of its 2 processors while the "
+                               "first run goes (20s in)")
+    clock.now += 60
+    watch()
+    assert len(notes) == 1 and len(asked) == 2  # said once; no more reading
+
+
+def test_the_first_run_watch_is_quiet_on_an_idle_machine_or_without_proc():
+    from autotune.search.crowd import WATCH_S, FirstRunWatch
+
+    notes, clock = [], _Clock()
+    reads = _readings(others_cores=0.1, own_cores=1.9)
+    watch = FirstRunWatch(notes.append, root=1, read=lambda root: reads.pop(0), clock=clock)
+    watch()
+    clock.now += WATCH_S
+    watch()
+    assert notes == [] and watch.seen["others"] == 0.1
+    watch = FirstRunWatch(notes.append, root=1, read=lambda root: None, clock=clock)  # no /proc
+    watch()
+    clock.now += WATCH_S
+    watch()
+    assert notes == [] and watch.seen is None and watch.done
+
+
+def test_a_trials_wait_calls_its_watch_while_the_run_goes():
+    from autotune.search.trial import Runner
+
+    calls = []
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    rc, timed_out, hung = Runner._wait(proc, lambda: False, 30.0, proc.kill, lambda: calls.append(1))
+    assert (rc, timed_out, hung) == (0, False, False)
+    assert len(calls) >= 2

@@ -1213,7 +1213,7 @@ class LengthRunner(FakeRunner):
         return 2.0
 
     def run(self, config, role, timeout, on_start=None, attrs=None, whole=False, compile_cache=None,
-            fresh_caches=False, load_cache=None):
+            fresh_caches=False, load_cache=None, watch=None):
         from autotune.search.trial import Outcome
 
         assert whole == (role == "whole") and fresh_caches == (role == "cache")
@@ -1615,3 +1615,43 @@ def test_the_start_can_lead_with_a_choice_the_machine_favours():
     assert s.lead("t.n", 1) is False  # already so: nothing changes
     with pytest.raises(ValueError):
         s.lead("t.n", 8)
+
+
+class WatchedRunner(FakeRunner):
+    """The first run sees other work take a processor while it goes; what the runs were given to watch with."""
+
+    def __init__(self, clock, *args, **kwargs):
+        super().__init__(clock, *args, **kwargs)
+        self.watches = []
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):
+        from autotune.contention import Reading
+        from autotune.search.crowd import WATCH_S
+
+        watch = more.get("watch")
+        self.watches.append(watch)
+        if watch is not None:  # polls of a run that goes on past WATCH_S, one processor of two taken by others
+            tick = 100
+            readings = [Reading(0.0, 0, 0, 0, 0), Reading(WATCH_S, int(2 * WATCH_S * tick), 0,
+                                                          int(2 * WATCH_S * tick), int(WATCH_S * tick))]
+            watch.read, watch.clock = (lambda root: readings.pop(0)), self.clock
+            watch()
+            self.clock.now += WATCH_S
+            watch()
+        return super().run(config, role, timeout, on_start, attrs, **more)
+
+
+def test_other_work_during_the_first_run_is_said_while_it_goes(tmp_path, monkeypatch):
+    from autotune.search.crowd import FirstRunWatch
+
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=300.0)
+    runner = WatchedRunner(clock)
+    search.runner_factory = lambda *a, **k: runner
+    notes = []
+    search.display.note = notes.append
+    search.run()
+    assert isinstance(runner.watches[0], FirstRunWatch)
+    assert all(w is None for w in runner.watches[1:])  # the first run only: its length is not known yet
+    said = [n for n in notes if "while the first run goes" in n]
+    assert len(said) == 1 and said[0].startswith("warning: other work on this machine is taking 1.0 of its 2 processors")
+    assert notes.index(said[0]) == 0  # before anything the first run's end tells

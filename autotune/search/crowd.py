@@ -7,11 +7,14 @@ again rather than compared."""
 
 from __future__ import annotations
 
+import os
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autotune.contention import BUSY_OTHERS
+from autotune import contention
+from autotune.contention import BUSY_OTHERS, Reading
 from autotune.search.trial import TrialResult
 
 # fewer threads this much faster than the script's count, beside other work: the runs on the script's count wait on
@@ -92,6 +95,47 @@ def fewer_as_fast(baselines: Sequence[TrialResult], perturbed: Sequence[TrialRes
         return None
     ratio = _other_count_speed(baselines, perturbed)
     return ratio if ratio is not None and ratio * (1.0 + margin) >= 1.0 else None
+
+
+# how far into the search's first run it looks for other work: beside it that run can take minutes where it takes
+# seconds alone (word_language_model's first run beside one busy process: 82-93 s, its steps 16x slower than idle),
+# and the search should say why within its first minute, not when the run ends
+WATCH_S = 20.0
+
+
+class FirstRunWatch:
+    """Other work on the machine while the search's first run goes, read from outside the run once ``after``
+    seconds in (the run's processes are those below the search: ``root``): where it took BUSY_OTHERS processors or
+    more, ``note`` says so at once. Called at every poll of the run's wait; reads /proc twice in all."""
+
+    def __init__(self, note: Callable[[str], None], after: float = WATCH_S, root: int | None = None,
+                 read: Callable[[int], Reading | None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.note, self.after, self.clock = note, after, clock
+        self.root = os.getpid() if root is None else root
+        self.read = read or (lambda root: contention.read(root=root))
+        self.began: float | None = None
+        self.first: Reading | None = None
+        self.done = False
+        self.seen: dict[str, float] | None = None  # what it read (None: not yet, or nothing to read)
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        now = self.clock()
+        if self.began is None:
+            self.began, self.first = now, self.read(self.root)
+            return
+        if now - self.began < self.after:
+            return
+        self.done = True
+        self.seen = contention.between(self.first, self.read(self.root))
+        if self.seen is not None and self.seen["others"] >= BUSY_OTHERS:
+            self.note(
+                f"warning: other work on this machine is taking {self.seen['others']:.1f} of its "
+                f"{self.seen['cores']:.0f} processors while the first run goes ({now - self.began:.0f}s in): runs "
+                "beside it measure the machine's load, not the script's speed (a run on more threads than the "
+                "processors left free waits for whichever thread is descheduled); stop the other work, or let the "
+                "search go on: after its first runs it says what that work did to them")
 
 
 # a confirmation run whose measured steps lost more than this many processors to other work (or this share of the

@@ -31,7 +31,7 @@ from autotune.search.budget import (
     run_lengths,
 )
 from autotune.search.costs import NOISY, Costs
-from autotune.search.crowd import Crowd, crowd, disturbed
+from autotune.search.crowd import Crowd, FirstRunWatch, crowd, disturbed
 from autotune.search.credit import knob_worth, startup, whole_run
 from autotune.search.gate import Noise, gated, measure_noise
 from autotune.search.identity import Programs, thread_counts
@@ -478,6 +478,8 @@ class Search:
             result = TrialResult(config=dict(config), role=role, status=Outcome.CRASH, device=self.device, error=error)
         else:
             more: dict[str, Any] = {"whole": True} if role == ROLE_WHOLE else {}
+            if first:  # its length is not known yet: other work that starves it is said while it runs
+                more["watch"] = FirstRunWatch(self.display.note)
             if role == ROLE_CACHE:  # a first run on a fresh machine, the tuned script's carried cache loaded or not
                 more["fresh_caches"] = True
                 if (attrs or {}).get("arm") == CACHE_WITH:

@@ -425,13 +425,15 @@ class Runner:
         compile_cache: Path | None = None,
         fresh_caches: bool = False,
         load_cache: Path | None = None,
+        watch: Callable[[], None] | None = None,
     ) -> TrialResult:
         """Run one trial; a failure is a typed result, never an exception (KeyboardInterrupt still propagates).
         ``whole``: the script runs on past the measured window to its own end, and ``wall_s`` is its whole run.
         ``compile_cache``: where the run leaves what torch.compile compiled, as it exits (the folder must be one the
         trial writes for real: the search's own).
         ``fresh_caches``: the run gets new, empty compiler caches (a first run on a fresh machine); ``load_cache``:
-        it first loads this file of compiled artifacts, as a tuned script carrying it does."""
+        it first loads this file of compiled artifacts, as a tuned script carrying it does. ``watch``: called at
+        every poll while the run goes (the search's look at the machine during its first run)."""
         self._count += 1
         tdir = self.work / "trials" / f"{self._count:04d}"
         if tdir.exists():
@@ -449,7 +451,7 @@ class Runner:
                 iso = Isolation.make(protected(self.settings), _kept(self.work.resolve()))
                 cmd = iso.command(iso.write(tdir / "isolate.json"), cmd)
             started = time.perf_counter()
-            pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start, whole)
+            pid, rc, timed_out, hung_at_exit = self._execute(tdir, cmd, cwd, env, timeout, on_start, whole, watch)
             wall = time.perf_counter() - started
             return self._result(tdir, config, role, attrs, (rc, timed_out, hung_at_exit), timeout, wall, pid, whole)
         finally:
@@ -492,7 +494,7 @@ class Runner:
 
     def _execute(
         self, tdir: Path, cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
-        on_start: Callable[[int], None] | None, whole: bool = False,
+        on_start: Callable[[int], None] | None, whole: bool = False, watch: Callable[[], None] | None = None,
     ) -> tuple[int, int | None, bool, bool]:
         """Run the trial's process until it reports (a whole run: until it ends), ends or times out, and stop
         everything it started: (its pid, exit status, timed out, stopped after its result was written)."""
@@ -515,7 +517,7 @@ class Runner:
                 if on_start is not None:
                     on_start(proc.pid)
                 stop = functools.partial(self._stop, proc, tdir, others)
-                rc, timed_out, hung_at_exit = self._wait(proc, reported, timeout, stop)
+                rc, timed_out, hung_at_exit = self._wait(proc, reported, timeout, stop, watch)
             finally:
                 # whatever happened (an interrupt included), nothing the trial started outlives it
                 self._stop(proc, tdir, others)
@@ -587,7 +589,8 @@ class Runner:
 
     @staticmethod
     def _wait(
-        proc: subprocess.Popen, reported: Callable[[], bool], timeout: float, stop: Callable[[], None]
+        proc: subprocess.Popen, reported: Callable[[], bool], timeout: float, stop: Callable[[], None],
+        watch: Callable[[], None] | None = None,
     ) -> tuple[int | None, bool, bool]:
         """Wait for the trial: (exit status, timed out, stopped after its result was written).
 
@@ -602,6 +605,8 @@ class Runner:
                 return proc.wait(timeout=POLL_S), False, False
             except subprocess.TimeoutExpired:
                 pass
+            if watch is not None:
+                watch()
             now = time.monotonic()
             if not in_grace and deadline > now + EXIT_GRACE_S and reported():
                 deadline, in_grace = now + EXIT_GRACE_S, True
