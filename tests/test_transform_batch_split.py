@@ -394,7 +394,79 @@ def test_rows_picked_by_the_micro_index_are_split_only_where_the_same_rows_are_t
     assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == expected
 
 
-@pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants", "sliced", "indexed"])
+def test_a_loader_object_of_the_scripts_own_class_gets_the_knob_for_the_training_loader_alone():
+    (site,) = sites("batch_split", "loader_object")  # build-nanogpt's and llm.c's shape: train_loader.next_batch()
+    assert site.status is Status.APPLICABLE
+    assert site.reason.startswith("micro-batches of B x grad_accum_steps accumulation steps: the split")
+    assert site.reason.endswith(
+        "; the training loader alone is built with the bigger micro-batch (another built with the same size keeps it)"
+        "; at the end of its data train_loader moves on as soon as a whole micro-batch no longer fits: a bigger one "
+        "moves on up to k - 1 of the original's micro-batches earlier there")
+
+
+LOADER = '''
+import torch
+from torch import nn
+data = torch.randn(4096)
+class Cutter:
+    def __init__(self, B, T):
+        self.B = B
+        self.T = T
+        self.pos = 0
+    def next_batch(self):
+        {cut}
+        {inside}
+        x = buf.view(self.B, self.T)
+        self.pos += self.B * self.T
+        return x
+B, T = 4, 8
+accum = 64 // (B * T)
+{before}
+loader = Cutter({given})
+probe = Cutter(B, T)
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{extra}
+for it in range(20):
+    for micro in range(accum):
+        loss = model(loader.next_batch()).pow(2).mean() / accum
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(probe.next_batch().mean(), loader.B * loader.T * accum)
+'''
+
+
+@pytest.mark.parametrize("parts, reason", [
+    ({}, None),
+    ({"given": "B=B, T=T"}, None),
+    ({"before": "print(accum)"}, None),  # read before the split: the script's own count
+    ({"extra": "print(B * T, 'tokens a micro-batch')"}, None),  # the other loader's size: B stays
+    ({"extra": "loader.next_batch()"},
+     "loader.next_batch() is also called at line 23: a bigger micro-batch would change what it cuts there, and what "
+     "comes after"),
+    ({"extra": "print(loader.B)"}, "loader.B is read at line 23: the split would change it"),
+    ({"extra": "print(B * T * accum, 'tokens a step')"}, "accum is also read at line 23: the split would change it"),
+    ({"extra": "loader.pos = 128"}, "loader.pos is set at line 23: where loader cuts is not known"),
+    ({"inside": "print(self.B)"}, "Cutter reads self.B at line 12 other than as a factor of a product or the leading "
+                                  "dimension of a view: one call with a bigger micro-batch may not cut what several "
+                                  "smaller ones cut"),
+    ({"cut": "buf = data[torch.randint(0, 4000, (self.B * self.T,))]"},
+     "next_batch() does not cut data[self.pos : self.pos + B * ...] and advance self.pos by a product of B: what a "
+     "bigger micro-batch cuts is not known"),
+    ({"given": "B + 0, T"}, "Cutter(...) is given B + 0 as B: not a variable or option of the script's own"),
+    ({"before": "accum = accum"}, "accum is not a variable bound once before the loader is built, in its block: its "
+                                  "value where the split is made is not known"),
+])
+def test_a_loader_object_is_split_only_where_one_bigger_cut_is_the_smaller_ones(tmp_path, parts, reason):
+    defaults = {"cut": "buf = data[self.pos : self.pos + self.B * self.T]", "inside": "pass", "given": "B, T",
+                "before": "", "extra": ""}
+    expected = [(Status.APPLICABLE, None)] if reason is None else [(Status.NOT_APPLICABLE, reason)]
+    found = _scan_template(tmp_path, LOADER, defaults, parts)
+    assert [(s, None if s is Status.APPLICABLE else r) for s, r in found] == expected
+
+
+@pytest.mark.parametrize("name", ["sampled", "micro_loop", "constants", "sliced", "indexed", "loader_object"])
 def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_path, name):
     # constants: the split of two module-level settings goes after the second (it once went between them)
     original = losses(tmp_path, "original", case("batch_split", name).read_text())
@@ -402,18 +474,19 @@ def test_the_other_cases_at_their_defaults_train_exactly_like_the_original(tmp_p
     assert patched == original
 
 
-@pytest.mark.parametrize("name", ["sampled", "micro_loop", "sliced", "indexed"])
+@pytest.mark.parametrize("name", ["sampled", "micro_loop", "sliced", "indexed", "loader_object"])
 def test_other_shapes_bigger_micro_batches_train_each_step_on_the_same_samples(tmp_path, name):
     # sampled: one torch.randint draw of 4 x 4 indices on the CPU generator is the four draws of 4 it replaces;
     # sliced: one slice of 4 x 8 rows is the four slices of 8 it replaces; indexed: the rows from micro' * 4 x 4 on
-    # are the rows of the four micro-batches from micro * 4 on
+    # are the rows of the four micro-batches from micro * 4 on; loader_object: one cut of 4 x 4 rows of 16 tokens from
+    # the loader's position is the four cuts of 4 rows it replaces
     script = _patched_script(tmp_path, name)
     base = trial(script, [], tmp_path, warmup=1, steps=3)
     split = trial(script, [], tmp_path, knobs={"batch_split.factor": 4}, warmup=1, steps=3)
     assert base["status"] == split["status"] == "ok", split["error"]
     assert split["applied"] == ["batch_split.factor"] and base["applied"] == []
     assert base["batch_size"] == split["batch_size"] == {"sampled": 32, "micro_loop": 32, "sliced": 64,
-                                                       "indexed": 32}[name]  # per step
+                                                       "indexed": 32, "loader_object": 16}[name]  # per step
     flat = [v for row in split["losses"] for v in row]
     assert flat == pytest.approx([v for row in base["losses"] for v in row], rel=1e-5)
 

@@ -37,6 +37,10 @@ class Split:
     after: cst.BaseStatement  # both are bound (once) by here, and not yet read
     first: bool = False  # both are parameters of the function: the split goes before ``after``, its first statement
     note: str = ""  # what else the split changes (when the script logs), for the report
+    # where the split is made in one argument of a call (a loader object's constructor, ``B=B``): that argument,
+    # given ``bound`` (a name the split binds before ``after``) instead; the script's own micro-batch size is kept
+    argument: cst.Arg | None = None
+    bound: str | None = None
 
 
 def last_micro_test(facts: ModuleFacts, name: cst.Name, accumulation: str) -> bool:
@@ -183,6 +187,17 @@ def read_elsewhere(facts: ModuleFacts, micro: cst.BaseExpression, accumulation: 
         other = _other_use(facts, expr_code, own, reads, partner if expected.products else None)
         if other is not None:
             return Refusal(other, f"{expr_code} is also read at line {line_of(facts, other)}: the split would change it")
+    return None
+
+
+def count_read_elsewhere(facts: ModuleFacts, accumulation: cst.BaseExpression, expected: Expected,
+                         partner: str) -> Refusal | None:
+    """(where, why) for a read of the accumulation count the split would change (any read but the ``expected`` ones,
+    and its products with ``partner``, the micro-batch size as the split leaves it right), or None."""
+    code = facts.code(accumulation)
+    other = _other_use(facts, code, accumulation, expected, partner)
+    if other is not None:
+        return Refusal(other, f"{code} is also read at line {line_of(facts, other)}: the split would change it")
     return None
 
 

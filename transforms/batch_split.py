@@ -13,13 +13,15 @@ from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics, Role
 from autotune.project import TrainingLoop
 from autotune.syntax import (
-    argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, walk,
+    argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, unique_name, walk,
 )
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._split_indexed import from_indexed, indexed_call
+from autotune.transforms._split_loader import Loader, from_loader, loader_call
 from autotune.transforms._split_reads import (
-    ALREADY, Expected, Refusal, Split, accumulation_of, enumerate_start, first_dimension, last_micro_test,
-    length_read, line_of, module_function, logging_if, parameters_of, placed_split, position_of, read_elsewhere,
+    ALREADY, Expected, Refusal, Split, accumulation_of, count_read_elsewhere, enumerate_start, first_dimension,
+    last_micro_test, length_read, line_of, module_function, logging_if, parameters_of, placed_split, position_of,
+    read_elsewhere,
 )
 from autotune.transforms._step import CLIP
 from autotune.transforms.accelerator import ACCELERATORS
@@ -80,20 +82,34 @@ class BatchSplit(Transform):
                 "optimizer step's samples becomes a knob (bigger micro-batches, fewer accumulation steps, the same "
                 f"samples in the same order){found.note}"))
             pair = f"{found.micro}, {found.accumulation}"
+            # the names the split binds: the script's own, or (a loader object's argument) a name of its own for the
+            # training loader's micro-batch, given to its constructor
+            target = pair if found.bound is None else f"{found.bound}, {found.accumulation}"
             insert = edits.insert_before if found.first else edits.insert_after
             if self.mode.gated:
-                insert(found.after, stmt(f"{pair} = {edits.runtime('batch_split')}({pair})\n"))
+                insert(found.after, stmt(f"{target} = {edits.runtime('batch_split')}({pair})\n"))
+                self._given(edits, found)
                 continue
             k = self.mode.value(self.knobs[0])
+            keep = [] if found.bound is None else [stmt(f"{found.bound} = {found.micro}\n")]
             if k > 1:
-                insert(found.after, stmt(
+                insert(found.after, *keep, stmt(
                     f"if {found.accumulation} % {k} == 0:  # autotune: micro-batch x{k}, accumulation /{k}: same "
-                    f"samples per step\n    {pair} = {found.micro} * {k}, {found.accumulation} // {k}\n"))
+                    f"samples per step\n    {target} = {found.micro} * {k}, {found.accumulation} // {k}\n"))
+                self._given(edits, found)
             elif k < 1:
                 d = round(1 / k)
-                insert(found.after, stmt(
+                insert(found.after, *keep, stmt(
                     f"if {found.micro} % {d} == 0:  # autotune: micro-batch /{d}, accumulation x{d}: same samples "
-                    f"per step\n    {pair} = {found.micro} // {d}, {found.accumulation} * {d}\n"))
+                    f"per step\n    {target} = {found.micro} // {d}, {found.accumulation} * {d}\n"))
+                self._given(edits, found)
+
+    @staticmethod
+    def _given(edits: Edits, found: Split) -> None:
+        """A loader object's split: its constructor is given the split's own name for the micro-batch size."""
+        if found.argument is not None:
+            name = found.bound
+            edits.rewrite(found.argument.value, lambda node: cst.Name(name))
 
     def _split(self, facts: ModuleFacts, loop: TrainingLoop) -> Split | Refusal | None:
         """The split of ``loop``'s accumulation, or (where, why not), or None where the loop does not accumulate
@@ -188,16 +204,16 @@ class BatchSplit(Transform):
         if not any(_divides(facts, n, code) for n in walk(inner.body, itself=True)):
             return Refusal(inner, f"the loss is not divided by {code}: the split would change the gradient's scale")
         source = from_indexed(facts, inner, indexed, accumulation) if indexed is not None else \
-            _micro_source(facts, loop, inner, code)
+            _micro_source(facts, loop, inner, accumulation)
         if isinstance(source, Refusal):
             return source
+        if isinstance(source, Loader):
+            return self._loader_split(facts, scope, inner, accumulation, source)
         micro, before, *taken = source
         micro_code = facts.code(micro)
-        for call in facts.calls:
-            if isinstance(call.func, cst.Name) and call.func.value in ("exec", "globals") and \
-                    facts.qualname(call.func) in (call.func.value, f"builtins.{call.func.value}", None):
-                return Refusal(call, (f"{call.func.value}() at line {line_of(facts, call)} may rebind {micro_code} and {code}: "
-                                      "their values where the split is made are not known"))
+        refused = _rebinding_call(facts, micro_code, code)
+        if refused is not None:
+            return refused
         losses = {facts.code(e) for e in scope.loss_exprs()}
         first = parameters_of(facts, [micro_code, code], before)
         within = facts.function_of(before) if first is not None else None  # parameters: read in their function only
@@ -212,6 +228,38 @@ class BatchSplit(Transform):
         if changed is not None:
             return Refusal(inner, changed)
         return _at(inner, placed_split(facts, micro_code, code, before, "the micro-batches are drawn"))
+
+    def _loader_split(self, facts: ModuleFacts, scope, inner: cst.For, accumulation: cst.BaseExpression,
+                      found: Loader) -> Split | Refusal:
+        """The split of micro-batches a loader object of the script's own class cuts (``_split_loader``): made in
+        the training loader's constructor argument, the accumulation count rebound right before it is built."""
+        code, micro = facts.code(accumulation), facts.code(found.argument.value)
+        refused = _rebinding_call(facts, micro, code)
+        if refused is not None:
+            return refused
+        binding = _bound_before(facts, code, found.built)
+        if isinstance(binding, Refusal):
+            return binding
+        losses = {facts.code(e) for e in scope.loss_exprs()}
+        before = frozenset(n for n in facts.nodes_in(facts.block_of(found.built), cst.Name)  # (see the count unsplit)
+                           if n.value == code and facts.position(n) < position_of(facts, found.built)
+                           and facts.function_of(n) is facts.function_of(found.built))
+        read = count_read_elsewhere(facts, accumulation, Expected(inner, frozenset(losses), True, allowed=before),
+                                    found.kept)
+        if read is not None:
+            return read
+        counted = self._per_micro_step(facts, inner.body, None)
+        if counted is not None:
+            return counted
+        changed = self._changes_the_math()
+        if changed is not None:
+            return Refusal(inner, changed)
+        bound = unique_name(facts, facts.module, f"{found.kept.replace('.', '_')}")
+        note = "; the training loader alone is built with the bigger micro-batch (another built with the same size keeps it)"
+        if found.moves_on:
+            note += (f"; at the end of its data {found.kept.split('.')[0]} moves on as soon as a whole micro-batch no "
+                     "longer fits: a bigger one moves on up to k - 1 of the original's micro-batches earlier there")
+        return Split(micro, code, found.built, first=True, note=note, argument=found.argument, bound=bound)
 
     def _lightning_split(self, facts: ModuleFacts, call: cst.Call) -> Split | Refusal | None:
         """``trainer = L.Trainer(accumulate_grad_batches=args.accum)`` trained by ``trainer.fit(...)``, whose training
@@ -385,19 +433,44 @@ _FROM_ZERO_BY = m.Call(func=m.Name("range"), args=[m.Arg(m.Integer("0"), keyword
                                                     m.Arg(keyword=None, star=""), m.Arg(keyword=None, star="")])
 
 
-def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, accumulation: str):
+def _rebinding_call(facts: ModuleFacts, micro: str, accumulation: str) -> Refusal | None:
+    """exec() or globals() in the module: they may rebind the sizes where the split reads them."""
+    for call in facts.calls:
+        if isinstance(call.func, cst.Name) and call.func.value in ("exec", "globals") and \
+                facts.qualname(call.func) in (call.func.value, f"builtins.{call.func.value}", None):
+            return Refusal(call, (f"{call.func.value}() at line {line_of(facts, call)} may rebind {micro} and {accumulation}: "
+                                  "their values where the split is made are not known"))
+    return None
+
+
+def _bound_before(facts: ModuleFacts, code: str, statement: cst.BaseStatement) -> cst.Assign | Refusal:
+    """The one binding of the accumulation count ``code`` (a variable), in the block of ``statement`` and before it."""
+    scope = scope_of(facts, statement)
+    found = [a for a in assignments(facts, scope, code, unpacking=True)] if "." not in code else []
+    if len(found) != 1 or facts.block_of(facts.statement_of(found[0])) is not facts.block_of(statement) or \
+            position_of(facts, facts.statement_of(found[0])) >= position_of(facts, statement):
+        return Refusal(statement, (f"{code} is not a variable bound once before the loader is built, in its block: "
+                                   "its value where the split is made is not known"))
+    return found[0]
+
+
+def _micro_source(facts: ModuleFacts, loop: TrainingLoop, inner: cst.For, accumulation: cst.BaseExpression):
     """(the micro-batch size's expression, the statement before which it must be split) for the batches drawn in
-    ``inner``, or (where, why not)."""
+    ``inner``, a Loader (a loader object of the script's own class cuts them), or (where, why not)."""
     for call in facts.nodes_in(inner.body, cst.Call):
         func = call.func
         if m.matches(call, _NEXT_OF_NAME):
-            return _from_iterator(facts, inner, call.args[0].value.value, accumulation)
+            return _from_iterator(facts, inner, call.args[0].value.value, facts.code(accumulation))
         if isinstance(func, cst.Name):
             defined = module_function(facts, func.value)
             if defined is not None and any(facts.qualname(c.func) == RANDINT for c in facts.nodes_in(defined, cst.Call)):
                 return _from_sampler(facts, loop, inner, defined)
-    return Refusal(inner, ("the micro-batches of the inner loop come neither from next() of a DataLoader's iterator nor from a "
-                           "function of the script's that draws torch.randint indices: their size is not known"))
+    cut = loader_call(facts, inner)
+    if cut is not None:
+        return from_loader(facts, inner, cut, accumulation)
+    return Refusal(inner, ("the micro-batches of the inner loop come neither from next() of a DataLoader's iterator, nor "
+                           "from a function of the script's that draws torch.randint indices, nor from a loader object of "
+                           "the script's own class: their size is not known"))
 
 
 def _from_iterator(facts: ModuleFacts, inner: cst.For, name: str, accumulation: str):
