@@ -452,8 +452,18 @@ for it in range(20):
                                   "dimension of a view: one call with a bigger micro-batch may not cut what several "
                                   "smaller ones cut"),
     ({"cut": "buf = data[torch.randint(0, 4000, (self.B * self.T,))]"},
-     "next_batch() does not cut data[self.pos : self.pos + B * ...] and advance self.pos by a product of B: what a "
+     "next_batch() does not cut data[self.pos : self.pos + B * ...] and advance self.pos by that product: what a "
      "bigger micro-batch cuts is not known"),
+    # windows that overlap (or skip): the cuts of a bigger micro-batch would be other tokens
+    ({"inside": "self.pos += self.B * self.T * 2"},
+     "next_batch() does not cut data[self.pos : self.pos + B * ...] and advance self.pos by that product: what a "
+     "bigger micro-batch cuts is not known"),
+    ({"inside": "self.pos = 7 if self.pos > 4000 else self.pos"},
+     "self.pos is set at line 12 to 7 if self.pos > 4000 else self.pos: not 0 nor a rank's offset of whole "
+     "micro-batches, so where a bigger micro-batch is cut is not known"),
+    ({"extra": "print(len(loader))"}, "loader is used at line 23 in a way not read here: what the split changes there "
+                                      "is not known"),
+    ({"extra": "print(loader.pos, loader.T)"}, None),  # where it stands, at a step's start as the original's would
     ({"given": "B + 0, T"}, "Cutter(...) is given B + 0 as B: not a variable or option of the script's own"),
     ({"before": "accum = accum"}, "accum is not a variable bound once before the loader is built, in its block: its "
                                   "value where the split is made is not known"),

@@ -23,7 +23,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from autotune.analysis import ModuleFacts
-from autotune.syntax import assignments, is_reference, scope_of
+from autotune.syntax import assignments, is_reference, names_variable, scope_of
 from autotune.transforms._split_reads import Refusal, factors, line_of, position_of
 
 _METHOD_CALL = m.Call(func=m.Attribute(value=m.Name(), attr=m.Name()), args=[])
@@ -99,7 +99,7 @@ def from_loader(facts: ModuleFacts, inner: cst.For, call: cst.Call, accumulation
     reads = _class_reads(facts, cls, init, size, param)
     if isinstance(reads, Refusal):
         return reads
-    refused = _cuts_and_advances(facts, method, size, reads)
+    refused = _cuts_and_advances(facts, cls, method, size)
     if refused is not None:
         return refused
     argument = _argument(init, built, param)
@@ -224,24 +224,59 @@ def _leading(facts: ModuleFacts, node: cst.CSTNode) -> bool:
             and call.args and call.args[0] is arg and arg.keyword is None)
 
 
-def _cuts_and_advances(facts: ModuleFacts, method: cst.FunctionDef, size: str,
-                       reads: list[cst.CSTNode]) -> Refusal | None:
-    """The method cuts ``data[self.pos : self.pos + <size> * ...]`` and advances ``self.pos += <size> * ...``."""
-    in_method = [r for r in reads if facts.contains(method, r)]
-    advanced = [a.target for a in facts.nodes_in(method, cst.AugAssign) if isinstance(a.operator, cst.AddAssign)
-                and any(facts.contains(a.value, r) for r in in_method)
-                and m.matches(a.target, m.Attribute(m.Name("self"), m.Name()))]
-    positions = {facts.code(t) for t in advanced}
+def _cuts_and_advances(facts: ModuleFacts, cls: cst.ClassDef, method: cst.FunctionDef, size: str) -> Refusal | None:
+    """The method cuts ``data[self.pos : self.pos + B * T (+ 1)]`` and advances ``self.pos += B * T``: one cut of k x
+    B is then the k cuts of B that follow each other. In a distributed run it advances ``B * T * self.num_processes``
+    and the position starts (and starts again) at ``B * T * self.process_rank``: each rank's k cuts become one of k
+    neighbouring blocks, the ranks together the same tokens. Any other setting of the position, or another advance,
+    and the cuts of a bigger micro-batch are not known."""
+    aliases = {a: f"self.{attr}" for a, (attr, _) in _aliases(facts, method).items()}
+    why = Refusal(method, (f"{method.name.value}() does not cut data[self.pos : self.pos + {size} * ...] and advance "
+                           f"self.pos by that product: what a bigger micro-batch cuts is not known"))
+    advances = [a for a in facts.nodes_in(method, cst.AugAssign) if isinstance(a.operator, cst.AddAssign)
+                and m.matches(a.target, m.Attribute(m.Name("self"), m.Name())) and m.matches(a.value, _PRODUCT)]
+    if len(advances) != 1:
+        return why
+    position, step = facts.code(advances[0].target), _normal(facts, advances[0].value, aliases)
+    cuts = []
     for bounds in facts.nodes_in(method, cst.Slice):
-        lower, upper = bounds.lower, bounds.upper
-        if lower is None or facts.code(lower) not in positions or bounds.step is not None:
+        if bounds.lower is not None and facts.code(bounds.lower) == position and bounds.upper is not None:
+            terms = _terms(bounds.upper)
+            products = [t for t in terms if m.matches(t, _PRODUCT)]
+            rest = [t for t in terms if t not in products and facts.code(t) != position]
+            if len(products) == 1 and len(terms) - len(rest) == 2 and all(isinstance(t, cst.Integer) for t in rest):
+                cuts.append(_normal(facts, products[0], aliases))
+    if not cuts or any(c != cuts[0] for c in cuts) or f"self.{size}" not in cuts[0] or not cuts[0] <= step:
+        return why
+    spread = step - cuts[0]  # the processes that share the data: each advances past the others' cuts
+    if len(spread) > 1 or any(not x.startswith("self.") for x in spread):
+        return why
+    for node in _settings_of(facts, cls, position):
+        if isinstance(node, cst.AugAssign) and node is advances[0]:
             continue
-        terms = _terms(upper) if upper is not None else []
-        if any(facts.code(t) == facts.code(lower) for t in terms) and \
-                any(facts.contains(t, r) for t in terms for r in in_method):
-            return None
-    return Refusal(method, (f"{method.name.value}() does not cut data[self.pos : self.pos + {size} * ...] and advance "
-                            f"self.pos by a product of {size}: what a bigger micro-batch cuts is not known"))
+        value = node.value if isinstance(node, cst.AugAssign) else facts.parent(facts.parent(node)).value
+        where = facts.function_of(node)
+        start = _normal(facts, value, {a: f"self.{attr}" for a, (attr, _) in _aliases(facts, where).items()}) \
+            if m.matches(value, _PRODUCT) else None
+        if isinstance(node, cst.AugAssign) or not (
+                (isinstance(value, cst.Integer) and int(value.value) == 0 and not spread)
+                or (start is not None and start > cuts[0] and len(start - cuts[0]) == 1 and spread
+                    and not (start - cuts[0]) & spread)):
+            return Refusal(node, (f"{position} is set at line {line_of(facts, node)} to {facts.code(value)}: not 0 nor a "
+                                  "rank's offset of whole micro-batches, so where a bigger micro-batch is cut is not known"))
+    return None
+
+
+def _normal(facts: ModuleFacts, product: cst.CSTNode, aliases: dict[str, str]) -> frozenset[str]:
+    """A product's factors, each local name bound from ``self.<attribute>`` written as that attribute."""
+    return frozenset(aliases.get(f, f) for f in factors(facts, product))
+
+
+def _settings_of(facts: ModuleFacts, cls: cst.ClassDef, position: str) -> list[cst.CSTNode]:
+    """The targets of ``self.pos = ...`` and the ``self.pos += ...`` statements in the class."""
+    sets: list[cst.CSTNode] = [t.target for t in facts.nodes_in(cls, cst.AssignTarget) if facts.code(t.target) == position]
+    sets += [a for a in facts.nodes_in(cls, cst.AugAssign) if facts.code(a.target) == position]
+    return sets
 
 
 def _terms(node: cst.BaseExpression) -> list[cst.BaseExpression]:
@@ -264,23 +299,37 @@ def _argument(init: cst.FunctionDef, built: cst.Call, param: str) -> cst.Arg | N
 
 def _object_uses(facts: ModuleFacts, inner: cst.For, obj: str, name: str, kept: str, accumulation: str,
                  cls: cst.ClassDef) -> Refusal | None:
-    """What else the script does with the loader object that the split would change: another cut (a fetch outside
-    the micro-batch loop), an attribute set from outside, the size read other than in the samples per step
-    (``train_loader.B * train_loader.T * grad_accum_steps``)."""
-    for node in facts.nodes_in(facts.module, cst.Attribute):
-        if facts.contains(cls, node) or not m.matches(node.value, m.Name(obj)):
+    """What else the script does with the loader object that the split could change. Left right: the cut in the
+    micro-batch loop, a method called for its effect alone (``train_loader.reset()``), an attribute read but the size
+    (where the position is at the start of an optimizer step it is where the original's would be), and the size in the
+    samples per step (``train_loader.B * train_loader.T * grad_accum_steps``). Anything else (another cut, an attribute
+    set from outside, the object given to a function) is a use whose outcome the split may change."""
+    for node in facts.nodes_in(facts.module, cst.Name):
+        if node.value != obj or facts.contains(cls, node) or not names_variable(facts, node):
             continue
         parent = facts.parent(node)
-        if isinstance(parent, cst.Call) and parent.func is node and node.attr.value == name and not facts.contains(inner, node):
-            return Refusal(parent, (f"{obj}.{name}() is also called at line {line_of(facts, node)}: a bigger micro-batch "
-                                    "would change what it cuts there, and what comes after"))
-        if isinstance(parent, (cst.AssignTarget, cst.AugAssign)) and parent.target is node:
-            return Refusal(node, f"{facts.code(node)} is set at line {line_of(facts, node)}: where {obj} cuts is not known")
-        if facts.code(node) == kept:
-            product = node
+        if isinstance(parent, cst.AssignTarget):
+            continue  # its binding
+        line = line_of(facts, node)
+        attribute = parent if isinstance(parent, cst.Attribute) and parent.value is node else None
+        if attribute is None:
+            return Refusal(node, f"{obj} is used at line {line} in a way not read here: what the split changes there is not known")
+        use = facts.parent(attribute)
+        if isinstance(use, cst.Call) and use.func is attribute:
+            if attribute.attr.value == name and facts.contains(inner, attribute):
+                continue
+            if attribute.attr.value == name:
+                return Refusal(use, (f"{obj}.{name}() is also called at line {line}: a bigger micro-batch would change what "
+                                     "it cuts there, and what comes after"))
+            if isinstance(facts.parent(use), cst.Expr):
+                continue  # called for its effect: on the loader as split, like every other call
+            return Refusal(use, f"{facts.code(use)} at line {line} returns what the split may change")
+        if isinstance(use, (cst.AssignTarget, cst.AugAssign)) and use.target is attribute:
+            return Refusal(attribute, f"{facts.code(attribute)} is set at line {line}: where {obj} cuts is not known")
+        if facts.code(attribute) == kept:
+            product = attribute
             while m.matches(facts.parent(product), _PRODUCT):
                 product = facts.parent(product)
             if accumulation not in factors(facts, product):
-                return Refusal(node, f"{kept} is read at line {line_of(facts, node)}: the split would change it")
+                return Refusal(attribute, f"{kept} is read at line {line}: the split would change it")
     return None
-
