@@ -88,6 +88,8 @@ def from_loader(facts: ModuleFacts, inner: cst.For, call: cst.Call, accumulation
         return Refusal(call, f"{obj} is bound {len(bound)} times: which loader cuts the micro-batches is not known")
     built = bound[0].value
     cls = _class_of(facts, built)
+    if cls is None:
+        return Refusal(built, f"{obj} is not built by a class of this module: how it cuts the micro-batches is not known")
     cls_name = cls.name.value
     init, method = _method(cls, "__init__"), _method(cls, name)
     size = _size_attribute(facts, method)
