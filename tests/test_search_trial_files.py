@@ -318,3 +318,41 @@ def test_the_scratch_folders_a_killed_search_left_go_when_the_next_one_makes_its
     finally:
         iso.remove()
     assert not Path(iso.scratch).exists()
+
+
+# data kept beside the code (a vocabulary next to the script, a module's cache folder next to it), found by the
+# script's own location as so many scripts find it; and written there too
+BESIDE = '''
+import os
+
+import torch
+
+here = os.path.dirname(os.path.abspath(__file__))
+vocab = open(os.path.join(here, "data", "vocab.txt")).read()
+assert vocab == "USER VOCAB", vocab
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(6):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with open(os.path.join(here, "data", "cache.txt"), "w") as f:
+        f.write("trial")
+    with open(os.path.join(here, "log.txt"), "a") as f:
+        f.write(f"step {i}\\n")
+'''
+
+
+def test_a_trial_reads_the_data_beside_the_script_and_writes_there_only_in_its_overlay(tmp_path):
+    code = tmp_path / "code"
+    (code / "data").mkdir(parents=True)
+    (code / "data" / "vocab.txt").write_text("USER VOCAB")
+    (code / "log.txt").write_text("USER LOG\n")
+    (code / "train.py").write_text(BESIDE)
+    before = {p: p.read_bytes() for p in code.rglob("*") if p.is_file()}
+    settings = TrialSettings((), tmp_path, "cpu", 1, 2, folders=(code,))
+    result = Runner(run(load_project(code / "train.py")), tmp_path / "work", settings).run({}, "baseline", timeout=240)
+    assert result.status is Outcome.OK, result.stderr_tail
+    assert {p: p.read_bytes() for p in code.rglob("*") if p.is_file()} == before  # nothing new, nothing changed

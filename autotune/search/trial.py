@@ -324,6 +324,31 @@ def mirror(cwd: Path, root: Path, own: Path) -> Path:
     return root / cwd.relative_to(cwd.anchor)
 
 
+def link_beside(original: Path, copy: Path, own: Path) -> None:
+    """Link into ``copy`` (the patched project's files) each entry of ``original`` it lacks, and into each of its
+    folders the entries of the original folder that it lacks; never ``__pycache__``, the search's own folder
+    ``own``, nor a folder above it (a loop)."""
+    try:
+        entries = list(os.scandir(original))
+    except OSError:
+        return
+    for e in entries:
+        path = Path(e.path)
+        if e.name == "__pycache__" or path == own or path in own.parents:
+            continue
+        target = copy / e.name
+        if target.is_dir() and not target.is_symlink():
+            if e.is_dir(follow_symlinks=False):
+                link_beside(path, target, own)
+            continue
+        if target.exists() or target.is_symlink():
+            continue  # a patched file
+        try:
+            target.symlink_to(path)
+        except OSError:  # a name the file system refuses here: the trial does without it
+            pass
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -403,6 +428,12 @@ class Runner:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(f.new_text, encoding="utf-8")
         self.entry = self.script_dir / patch.files[0].rel
+        if settings.isolation == OVERLAY:
+            # what the script reads beside itself (``os.path.dirname(__file__)``: a data folder next to a module) is
+            # found beside the copy, as links to the project's own entries; the project's folder is an overlay in
+            # every run, so what a run writes through them lands in its scratch layer
+            for root in settings.folders[:1]:
+                link_beside(root.resolve(), self.script_dir, work.resolve())
         # the knob table beside the patched entry: the runtime checks every configured knob against it
         table = {"script": patch.project.entry.display, "knobs": knob_table(patch.knobs)}
         (self.entry.parent / CONFIG_NAME).write_text(yaml.safe_dump(table, sort_keys=False), encoding="utf-8")
