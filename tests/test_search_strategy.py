@@ -1561,11 +1561,30 @@ def test_where_fewer_threads_run_the_baseline_as_fast_the_start_takes_them_first
     out = search.run()
     said = [(n, t) for n, t in display.notes if "starts from threads" in t]
     assert said == [(3, "the search starts from threads.intra_op=1 as well: the baseline on 1 thread(s) ran 0.99x its "
-                        "speed on 2, as fast within the noise (2%), so the extra threads buy this script nothing here; "
-                        "the descent measures them again with the other knobs")]
+                        "speed on 2, as fast within 10% (one run's noise against the others'), so the extra threads "
+                        "buy this script little here; the descent measures them again with the other knobs")]
     first = next(r for r in out.results if r.role == "search")
     assert first.attrs["phase"] == "start" and first.config["threads.intra_op"] == 1
     assert out.warning is None or "was measured while other work" not in out.warning
+
+
+@pytest.mark.parametrize("slower, leads", [(1.06, True), (1.09, True), (1.2, False)])
+def test_one_run_on_fewer_threads_is_as_fast_within_one_processs_noise_not_the_back_to_back_baselines(
+        tmp_path, monkeypatch, slower, leads):
+    """The two first baselines, back to back, agree within 1-2%; one run on 1 thread is another process, whose noise
+    that understates (makemore: 0.95x, 1.00x, 1.07x in three searches). Within 10% the start takes the fewer
+    threads; 20% slower it does not."""
+    for where in ("search", "prepare"):
+        monkeypatch.setattr(f"autotune.search.{where}.thread_counts", lambda env, launched: (2, 1))
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    runner = ThreadedRunner(clock)
+    runner.slower = slower
+    search.runner_factory = lambda *a, **k: runner
+    search.display = display = Notes()
+    out = search.run()
+    first = next(r for r in out.results if r.role == "search")
+    assert (first.config.get("threads.intra_op") == 1) is leads
+    assert bool([t for _, t in display.notes if "starts from threads" in t]) is leads
 
 
 def test_fewer_threads_as_fast_is_read_against_the_noise():

@@ -20,6 +20,14 @@ from autotune.search.trial import TrialResult
 # fewer threads this much faster than the script's count, beside other work: the runs on the script's count wait on
 # descheduled threads (makemore beside one busy process: 1 thread 21x faster than 2; idle, 0.85x to 1.26x as fast)
 FEWER_FASTER = 1.5
+# how close one run on fewer threads must come to the baseline's runs for the start to take the fewer threads (on an
+# idle machine): one process against others, a comparison whose noise the back-to-back baselines understate (they
+# agree within 1-2% where makemore's runs of one program differ by 10-18%, 2 sd, from process to process:
+# docs/benchmarks.md, session 35). makemore's MLP on 1 thread ran 0.95x, 1.00x and 1.07x its speed on 2 in three
+# searches, and only on 1 thread did the start's compile pay (1.3x against 0.95x on 2): under a 2% margin the 0.95x
+# search started on 2 threads, never reached the thread knob, and ended "the baseline wins". The descent measures
+# the thread count again with the other knobs, so a start on fewer threads that cost a few percent is undone there.
+LEAD_MARGIN = 0.10
 
 
 @dataclass(frozen=True)

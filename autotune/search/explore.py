@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from autotune.search.budget import RUN_MARGIN
-from autotune.search.crowd import fewer_as_fast
+from autotune.search.crowd import LEAD_MARGIN, fewer_as_fast
 from autotune.search.ports import Exploring
 from autotune.search.space import has
 from autotune.search.study import ROLE_BASELINE, ROLE_DUEL, ROLE_PERTURBED, ROLE_REPEAT, ROLE_SEARCH, claim_key
@@ -218,10 +218,10 @@ def lead_with_fewer_threads(search: Exploring) -> None:
         if search.strategy.lead(knob, few):
             search.display.note(c.lead_note(knob))
         return
-    noise = margin(search.baselines())
+    noise = max(margin(search.baselines()), LEAD_MARGIN)  # one process against others (crowd.LEAD_MARGIN)
     ratio = fewer_as_fast(search.baselines(), search.perturbed(), search.threads, noise)
     if ratio is not None and search.strategy.lead(knob, few):
         search.display.note(
             f"the search starts from {knob}={few} as well: the baseline on {few} thread(s) ran {ratio:.2f}x its "
-            f"speed on {many}, as fast within the noise ({100 * noise:.0f}%), so the extra threads buy this "
-            "script nothing here; the descent measures them again with the other knobs")
+            f"speed on {many}, as fast within {100 * noise:.0f}% (one run's noise against the others'), so the "
+            "extra threads buy this script little here; the descent measures them again with the other knobs")
