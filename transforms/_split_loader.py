@@ -24,7 +24,7 @@ import libcst.matchers as m
 
 from autotune.analysis import ModuleFacts
 from autotune.syntax import assignments, is_reference, names_variable, scope_of
-from autotune.transforms._split_reads import Refusal, factors, line_of, position_of
+from autotune.transforms._split_reads import Refusal, factors, line_of, outermost_product, position_of
 
 _METHOD_CALL = m.Call(func=m.Attribute(value=m.Name(), attr=m.Name()), args=[])
 _SHAPES = ("view", "reshape")
@@ -329,9 +329,6 @@ def _object_uses(facts: ModuleFacts, inner: cst.For, obj: str, name: str, kept: 
         if isinstance(use, (cst.AssignTarget, cst.AugAssign)) and use.target is attribute:
             return Refusal(attribute, f"{facts.code(attribute)} is set at line {line}: where {obj} cuts is not known")
         if facts.code(attribute) == kept:
-            product = attribute
-            while m.matches(facts.parent(product), _PRODUCT):
-                product = facts.parent(product)
-            if accumulation not in factors(facts, product):
+            if accumulation not in factors(facts, outermost_product(facts, attribute)):
                 return Refusal(attribute, f"{kept} is read at line {line}: the split would change it")
     return None

@@ -273,7 +273,7 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, expected: Expect
             other = parent.left if parent.right is n else parent.right
             if any(isinstance(m, cst.Name) and m.value in losses for m in walk(other, itself=True)):
                 continue
-            if partner is not None and partner in factors(facts, _product(facts, n)):
+            if partner is not None and partner in factors(facts, outermost_product(facts, n)):
                 continue
         target = facts.parent(parent)
         test = facts.parent(target) if isinstance(target, cst.ComparisonTarget) else None
@@ -285,7 +285,7 @@ def _other_use(facts: ModuleFacts, code: str, own: cst.CSTNode, expected: Expect
     return None
 
 
-def _product(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
+def outermost_product(facts: ModuleFacts, node: cst.CSTNode) -> cst.CSTNode:
     """The outermost product ``node`` is a factor of."""
     while isinstance(parent := facts.parent(node), cst.BinaryOperation) and isinstance(parent.operator, cst.Multiply):
         node = parent
