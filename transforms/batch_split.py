@@ -169,12 +169,9 @@ class BatchSplit(Transform):
             before = facts.statement_of(built)
         if read is not None:
             return read
-        counted = self._per_micro_step(facts, node.body, if_)
-        if counted is not None:
-            return counted
-        changed = self._changes_the_math()
-        if changed is not None:
-            return Refusal(node, changed)
+        refused = self._trained_otherwise(facts, node.body, if_, node)
+        if refused is not None:
+            return refused
         when = "the DataLoader is built" if loader is not None else "the slices are taken"
         placed = _at(built, placed_split(facts, facts.code(micro), code, before, when))
         if logs and isinstance(placed, Split):
@@ -221,12 +218,9 @@ class BatchSplit(Transform):
                               Expected(inner, frozenset(losses), True, within, allowed=taken[0] if taken else frozenset()))
         if read is not None:
             return read
-        counted = self._per_micro_step(facts, inner.body, None)
-        if counted is not None:
-            return counted
-        changed = self._changes_the_math()
-        if changed is not None:
-            return Refusal(inner, changed)
+        refused = self._trained_otherwise(facts, inner.body, None, inner)
+        if refused is not None:
+            return refused
         return _at(inner, placed_split(facts, micro_code, code, before, "the micro-batches are drawn"))
 
     def _loader_split(self, facts: ModuleFacts, scope, inner: cst.For, accumulation: cst.BaseExpression,
@@ -248,12 +242,9 @@ class BatchSplit(Transform):
                                     found.kept)
         if read is not None:
             return read
-        counted = self._per_micro_step(facts, inner.body, None)
-        if counted is not None:
-            return counted
-        changed = self._changes_the_math()
-        if changed is not None:
-            return Refusal(inner, changed)
+        refused = self._trained_otherwise(facts, inner.body, None, inner)
+        if refused is not None:
+            return refused
         bound = unique_name(facts, facts.module, f"{found.kept.replace('.', '_')}")
         note = "; the training loader alone is built with the bigger micro-batch (another built with the same size keeps it)"
         if found.moves_on:
@@ -322,15 +313,22 @@ class BatchSplit(Transform):
             length_read(facts, it.value, facts.code(accumulation), loop)
         if read is not None:
             return read
-        counted = self._per_micro_step(facts, loop.body, None, accelerated=True)
-        if counted is not None:
-            return counted
-        changed = self._changes_the_math()
-        if changed is not None:
-            return Refusal(call, changed)
+        refused = self._trained_otherwise(facts, loop.body, None, call, accelerated=True)
+        if refused is not None:
+            return refused
         first = min((facts.statement_of(built), facts.statement_of(call)), key=lambda st: position_of(facts, st))
         return _at(call, placed_split(facts, facts.code(micro), facts.code(accumulation), first,
                                       "the Accelerator and the DataLoader are built"))
+
+    def _trained_otherwise(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None, at: cst.CSTNode,
+                           accelerated: bool = False) -> Refusal | None:
+        """Why the same samples in fewer, bigger micro-batches would train otherwise: something in the loop's
+        ``body`` that runs once per micro-batch (``_per_micro_step``), or the model or loss (at ``at``)."""
+        counted = self._per_micro_step(facts, body, step_if, accelerated)
+        if counted is not None:
+            return counted
+        changed = self._changes_the_math()
+        return Refusal(at, changed) if changed is not None else None
 
     def _per_micro_step(self, facts: ModuleFacts, body: cst.CSTNode, step_if: cst.If | None, accelerated: bool = False):
         """(where, why) for a scheduler step or a gradient clip that runs once per micro-batch in ``body`` (outside
