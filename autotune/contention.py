@@ -91,26 +91,29 @@ def descendants(table: Mapping[int, Process], root: int, skip: Collection[int] =
 
 
 def _own_ticks(proc: str, root: int | None = None) -> int:
-    """The ticks of the trial's own processes: the one the search started (its trial root, found from this process
-    up to the child of ``SEARCH_PID_ENV``'s pid) and every process below it, in whichever session: a launcher starts
-    each rank in a session of its own (torchrun does), and a sibling rank is the trial's work, not other work.
-    Outside a search (or where the root is not found): every process of this session. ``root``: that process and
-    every process below it instead (the search reading its own trial from outside)."""
+    """The ticks of the trial's own processes: ``root`` and every process below it, in whichever session (a launcher
+    starts each rank in a session of its own, as torchrun does, and a sibling rank is the trial's work, not other
+    work). Inside a trial the root is the process the search started (``_trial_root``); outside a search (or where
+    that is not found), every process of this session; the search, reading its trial from outside, gives its own pid."""
     table = process_table(proc)
-    if root is not None:
-        return (table[root].ticks if root in table else 0) + sum(table[p].ticks for p in descendants(table, root))
-    search = os.environ.get(SEARCH_PID_ENV, "")
-    root, pid, seen = None, os.getpid(), set()
-    while search.isdigit() and pid in table and pid not in seen:
-        seen.add(pid)
-        if table[pid].parent == int(search):
-            root = pid
-            break
-        pid = table[pid].parent
+    root = root if root is not None else _trial_root(table)
     if root is None:
         session = os.getsid(0)
         return sum(row.ticks for row in table.values() if row.session == session)
-    return table[root].ticks + sum(table[p].ticks for p in descendants(table, root))
+    return (table[root].ticks if root in table else 0) + sum(table[p].ticks for p in descendants(table, root))
+
+
+def _trial_root(table: Mapping[int, Process]) -> int | None:
+    """The process the search started (found from this process up to the child of ``SEARCH_PID_ENV``'s pid), or
+    None outside a search."""
+    search = os.environ.get(SEARCH_PID_ENV, "")
+    pid, seen = os.getpid(), set()
+    while search.isdigit() and pid in table and pid not in seen:
+        seen.add(pid)
+        if table[pid].parent == int(search):
+            return pid
+        pid = table[pid].parent
+    return None
 
 
 def read(proc: str = "/proc", root: int | None = None) -> Reading | None:
