@@ -633,6 +633,33 @@ def test_a_tie_the_time_left_cannot_re_measure_goes_to_the_simpler_configuration
     assert any("not re-measured in pairs: the time left does not cover it" in s.text for s in plan.path)
 
 
+def test_a_duel_the_time_left_cuts_short_is_decided_by_the_pairs_it_completed():
+    # makemore at 300 s: two pairs measured compile 1.36x and 1.59x faster, the third was cut by the budget, and the
+    # search dropped compile on its single run (0.73x the incumbent, within 33% noise) as the simpler configuration
+    def compile_duel(world):
+        return next(((a, b, runs) for (a, b), runs in world.duels.items()
+                     if json.loads(a)["compile.mode"] != json.loads(b)["compile.mode"]), (None, None, {}))
+
+    def affordable(world, pairs):  # the time left covers everything but the rest of that duel
+        def check(config):
+            a, b, runs = compile_duel(world)
+            return len(runs) < 2 * pairs or config_key(config) not in (a, b)
+        return check
+
+    for complete, kept in ((2, True), (1, False)):
+        world = World(_noisy_gpt, gpt_ok, threshold=0.29, true_speed=gpt_speed)
+        world._affordable = affordable(world, complete)
+        plan = drive(StrongStart(SPACE, START, EXPENSIVE), world)
+        assert len(compile_duel(world)[2]) == 2 * complete
+        if kept:
+            assert plan.incumbent["compile.mode"] != "none"
+            assert any("re-measured in 2 A/B pairs (the time left did not cover the other 1)" in s.text
+                       for s in plan.path)
+        else:  # one pair is not enough to overrule the simpler configuration (which the descent may leave later)
+            assert any("compile.mode=none" in s.text and "not re-measured in pairs: the time left does not cover it"
+                       in s.text for s in plan.path)
+
+
 def _lucky_without_bf16(c):
     """Single runs at high noise: any configuration without bf16 has one lucky run, 6% faster than the same one
     with bf16, where A/B pairs (gpt_speed) show bf16 worth far more."""
