@@ -33,6 +33,10 @@ DUEL_GAIN = 0.02
 # compile on its single run, 0.73x, after two pairs had measured it 1.36x and 1.59x faster): pairs run side by side
 # say more than single runs minutes apart, which is all the duel's fallback has
 CUT_DUEL_PAIRS = 2
+# a duel whose 3 pairs disagree (one slower) but whose median says faster runs 2 pairs more, and the more complex
+# one is kept if faster in 4 of the 5: about the evidence of 3 of 3 (sign test p = 0.19 against 0.125). makemore's
+# runs differ by 10-18% from process to process, and bf16 was dropped on pairs of 0.95x, 1.34x and 1.37x
+DUEL_MORE_PAIRS = 5
 TIE_FLOOR = 0.01  # a more complex configuration measured less than this much faster is no tie: the simpler one wins
 QUIET = 0.10  # below this noise a simpler configuration as fast in one run is kept without a duel
 
@@ -576,15 +580,16 @@ class StrongStart:
         return incumbent, "; ".join(held) or None
 
     def _duel(self, view: View, complex_: Config, simple: Config) -> tuple[bool, str | None] | Proposal:
-        """Whether ``complex_`` is faster than ``simple`` in DUEL_PAIRS A/B pairs, and how it did; or the duel's next
-        run. Where the time left does not cover the rest of the duel, the pairs already complete decide where there are
-        CUT_DUEL_PAIRS of them; else the simpler one wins, as the single runs cannot tell."""
+        """Whether ``complex_`` is faster than ``simple`` in A/B pairs (``_duel_verdict``), and how it did; or the
+        duel's next run. Where the time left does not cover the rest of the duel, the pairs already complete decide
+        where there are CUT_DUEL_PAIRS of them; else the simpler one wins, as the single runs cannot tell."""
         runs = view.duel(complex_, simple)
         ratios = [a / b for j in sorted({j for j, _ in runs})
                   if (a := runs.get((j, "a"))) and (b := runs.get((j, "b")))]
         pairs = sorted({j for j, _ in runs})
-        if len(ratios) < DUEL_PAIRS:
-            if len(pairs) >= 2 * DUEL_PAIRS:
+        needed = _duel_pairs(ratios)
+        if len(ratios) < needed:
+            if len(pairs) >= 2 * needed:
                 return False, f"the pairs that should re-measure it failed ({len(ratios)} of {len(pairs)} measured)"
             current = pairs[-1] if pairs and any((pairs[-1], arm) not in runs for arm in "ab") else len(pairs)
             order = ("b", "a") if current % 2 == 0 else ("a", "b")  # each pair in the other order than the last
@@ -592,10 +597,11 @@ class StrongStart:
             if not (view.affordable(complex_) and view.affordable(simple)):
                 if len(ratios) >= CUT_DUEL_PAIRS:  # the pairs run so far decide, by the same rule, not the single runs
                     return _duel_verdict(self.space, complex_, simple, ratios,
-                                         f" (the time left did not cover the other {DUEL_PAIRS - len(ratios)})")
+                                         f" (the time left did not cover the other {needed - len(ratios)})")
                 return False, "not re-measured in pairs: the time left does not cover it"
             why = (f"duel: {label(complex_, self.space)} against {label(simple, self.space)}, pair {current + 1} of "
-                   f"{DUEL_PAIRS}: their runs differ by less than the noise")
+                   f"{needed}: " + ("their runs differ by less than the noise" if needed == DUEL_PAIRS else
+                                    "its first pairs disagree, most of them faster"))
             config = complex_ if arm == "a" else simple
             return Proposal(dict(config), "duel", why, (dict(complex_), dict(simple), current, arm))
         return _duel_verdict(self.space, complex_, simple, ratios)
@@ -666,12 +672,23 @@ def _out_of_memory_splits(view: View, incumbent: Config | None = None) -> dict[s
     return out
 
 
+def _duel_pairs(ratios: list[float]) -> int:
+    """How many A/B pairs a duel needs, given those complete (``ratios``: the more complex one's speed over the
+    simpler one's): DUEL_PAIRS, or DUEL_MORE_PAIRS where those disagree, one slower, with the median faster."""
+    if len(ratios) >= DUEL_PAIRS and sum(r <= 1.0 for r in ratios[:DUEL_PAIRS]) == 1 and \
+            statistics.median(ratios[:DUEL_PAIRS]) > 1.0 + DUEL_GAIN:
+        return DUEL_MORE_PAIRS
+    return DUEL_PAIRS
+
+
 def _duel_verdict(space: SearchSpace, complex_: Config, simple: Config, ratios: list[float],
                   cut: str = "") -> tuple[bool, str]:
-    """Whether ``complex_`` won its A/B pairs against ``simple`` (faster in every pair, by more than DUEL_GAIN in the
-    median; ``ratios`` are complex_'s speed over simple's), and how it did."""
+    """Whether ``complex_`` won its A/B pairs against ``simple`` (``ratios``: its speed over simple's): faster by
+    more than DUEL_GAIN in the median, and in every pair, or in all but one of DUEL_MORE_PAIRS or more; and how it
+    did."""
     median = statistics.median(ratios)
-    won = all(r > 1.0 for r in ratios) and median > 1.0 + DUEL_GAIN
+    slower = sum(r <= 1.0 for r in ratios)
+    won = median > 1.0 + DUEL_GAIN and (slower == 0 or (len(ratios) >= DUEL_MORE_PAIRS and slower == 1))
     shown = ", ".join(f"{r:.2f}x" for r in ratios)
     return won, (f"re-measured in {len(ratios)} A/B pairs{cut}, {label(complex_, space)} against "
                  f"{label(simple, space)}: {shown}")
