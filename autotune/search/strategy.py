@@ -582,7 +582,8 @@ class StrongStart:
     def _duel(self, view: View, complex_: Config, simple: Config) -> tuple[bool, str | None] | Proposal:
         """Whether ``complex_`` is faster than ``simple`` in A/B pairs (``_duel_verdict``), and how it did; or the
         duel's next run. Where the time left does not cover the rest of the duel, the pairs already complete decide
-        where there are CUT_DUEL_PAIRS of them; else the simpler one wins, as the single runs cannot tell."""
+        where there are CUT_DUEL_PAIRS of them; else the single runs do (the faster one; the simpler one within
+        TIE_FLOOR)."""
         runs = view.duel(complex_, simple)
         ratios = [a / b for j in sorted({j for j, _ in runs})
                   if (a := runs.get((j, "a"))) and (b := runs.get((j, "b")))]
@@ -598,7 +599,13 @@ class StrongStart:
                 if len(ratios) >= CUT_DUEL_PAIRS:  # the pairs run so far decide, by the same rule, not the single runs
                     return _duel_verdict(self.space, complex_, simple, ratios,
                                          f" (the time left did not cover the other {needed - len(ratios)})")
-                return False, "not re-measured in pairs: the time left does not cover it"
+                # the single runs decide, the faster one kept: the plan is made again from the study at each step,
+                # and a noise margin that grew since (one slow baseline run) must not turn a decision the runs made
+                # into a tie that goes to the simpler one for want of time (makemore at 300 s dropped the thread
+                # count and compile so, at the end, from a start measured faster without either taken out)
+                ratio = view.observed(complex_).speedup / view.observed(simple).speedup
+                return ratio > 1.0 + TIE_FLOOR, ("not re-measured in pairs: the time left does not cover it; the "
+                                                 f"single runs decide ({ratio:.2f}x)")
             why = (f"duel: {label(complex_, self.space)} against {label(simple, self.space)}, pair {current + 1} of "
                    f"{needed}: " + ("their runs differ by less than the noise" if needed == DUEL_PAIRS else
                                     "its first pairs disagree, most of them faster"))
