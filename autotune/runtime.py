@@ -37,33 +37,31 @@ TRIAL_ENV = "AUTOTUNE_TRIAL"
 
 # --- trial protocol ----------------------------------------------------------------------------------------
 
-def _end_process_group() -> None:
-    """End a distributed rank as its trial ends: every rank waits for the others, then exits at once.
+def _end_trial(compile_cache: str | None) -> None:
+    """End a trial's process as its window's result is written: save what it compiled where the search asked, then
+    exit at once, without the interpreter's teardown.
 
-    The script's own ``destroy_process_group()`` at its end never runs then, and leaving the group to the
-    interpreter's exit aborted a rank ("terminate called without an active exception", SIGABRT) in 4 of 24 runs of
-    a 2-rank DDP script under torchrun, destroying it first in 2 of 24. The result is written by now: nothing the
-    trial needs is lost by skipping the exit's clean-up, which runs in the trial's own folder anyway.
+    Nothing after the window is measured or kept (the process runs in the trial's own folder, its files thrown
+    away), while the teardown of an interpreter that imported torch took 0.8-0.9 s here, a quarter of a small
+    script's run (``python -c 'import torch; ...; raise SystemExit'`` against ``os._exit``: 2.9 s and 2.1 s). A
+    distributed rank first waits for the others: every rank leaves after this step's last collective, and leaving
+    the group to the interpreter's exit aborted a rank ("terminate called without an active exception", SIGABRT)
+    in 4 of 24 runs of a 2-rank DDP script under torchrun (destroying it first in 2 of 24). DataLoader workers and
+    other processes the script started are the search's to end: it kills the trial's process group as it ends.
     """
+    if compile_cache:
+        trial_files.save_compile_cache(compile_cache)
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None) if torch is not None else None
     try:
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return
-        dist.barrier()  # no rank leaves while another still needs it for this step's last collective
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank leaves while another still needs it for this step's last collective
     except Exception:  # a group already broken: the result is written, the exit is all that is left
         pass
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
-
-
-class TrialComplete(SystemExit):
-    """Raised by ``step`` when the measured window is over: ends the script with exit code 0."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
 
 
 # (rank, local rank, world size) variables, by launcher: torchrun (and anything built on torch.distributed.run),
@@ -106,6 +104,8 @@ class _Trial:
         # a whole run: the window's result is written as usual, then the script runs on to its own end (the search
         # times the process from start to exit: start-up, compile, evaluation passes and their recompiles)
         self.whole = bool(spec.get("whole"))
+        # where to leave what torch.compile compiled (rank 0 saves it): as the window ends, or at a whole run's exit
+        self.compile_cache: str | None = spec.get("compile_cache") if self.rank == 0 else None
         self.cache_loaded: bool | None = None  # whether a carried compile cache loaded (None: none was given)
         # what else ran on the machine's processors during the measured window (autotune.contention)
         self.cpu_start: contention.Reading | None = None
@@ -183,8 +183,7 @@ class _Trial:
                 # registered now, after whatever the script's imports registered: runs first at the exit
                 atexit.register(self.mark_exit)
                 return
-            _end_process_group()
-            raise TrialComplete()
+            _end_trial(self.compile_cache)
 
     def mark_exit(self) -> None:
         """A whole run's program has ended (an atexit handler): say so in ``result*.exit``, and where it ended without
@@ -321,8 +320,8 @@ def _start_trial() -> _Trial | None:
 
     sys.excepthook = hook
     atexit.register(lambda: trial.write("short", error=f"script ended after {trial.count} steps"))
-    if spec.get("compile_cache") and trial.rank == 0:  # (registered last: runs first at exit)
-        atexit.register(trial_files.save_compile_cache, spec["compile_cache"])
+    if trial.compile_cache:  # a run that ends before its window does (registered last: runs first at exit)
+        atexit.register(trial_files.save_compile_cache, trial.compile_cache)
     pids = spec.get("pids")
     if pids:  # a launcher may start its ranks in sessions of their own: the search kills them by these ids
         Path(pids).mkdir(parents=True, exist_ok=True)
