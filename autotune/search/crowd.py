@@ -105,6 +105,23 @@ def fewer_as_fast(baselines: Sequence[TrialResult], perturbed: Sequence[TrialRes
     return ratio if ratio is not None and ratio * (1.0 + margin) >= 1.0 else None
 
 
+def near_miss(baselines: Sequence[TrialResult], perturbed: Sequence[TrialResult],
+              threads: tuple[int, int] | None, margin: float) -> float | None:
+    """The one run on fewer threads's speed over the baselines', where it came out slower than ``margin`` allows
+    but by less than twice that: one process against two, whose noise decides such a comparison as often as the
+    thread count does. None where it ran as fast, much slower, or more than one such run was measured.
+
+    makemore's MLP on 1 thread ran 0.90x-1.16x its speed on 2 in fourteen 300 s searches, and 0.85x in a fifteenth
+    (mm19 in docs/benchmarks.md, session 44): that search started on 2 threads, where compile does not pay on this
+    machine, and ended with another configuration than the other fourteen's."""
+    if threads is None or threads[1] >= threads[0] or len([r for r in perturbed if r.step_time]) != 1:
+        return None
+    ratio = _other_count_speed(baselines, perturbed)
+    if ratio is None or ratio * (1.0 + margin) >= 1.0 or ratio * (1.0 + 2 * margin) < 1.0:
+        return None
+    return ratio
+
+
 # how far into the search's first run it looks for other work: beside it that run can take minutes where it takes
 # seconds alone (word_language_model's first run beside one busy process: 82-93 s, its steps 16x slower than idle),
 # and the search should say why within its first minute, not when the run ends

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from autotune.search.budget import RUN_MARGIN
-from autotune.search.crowd import LEAD_MARGIN, fewer_as_fast
+from autotune.search.crowd import LEAD_MARGIN, fewer_as_fast, near_miss
 from autotune.search.ports import Exploring
 from autotune.search.space import has
 from autotune.search.study import ROLE_BASELINE, ROLE_DUEL, ROLE_PERTURBED, ROLE_REPEAT, ROLE_SEARCH, claim_key
@@ -64,6 +64,7 @@ def explore(search: Exploring) -> str:
         search.run_trial(search.space.baseline(), ROLE_PERTURBED, {"threads": other, "why": why})
         if (c := search.crowd()) is not None:
             search.display.note(c.warning(search.thread_knob()))
+    second_run_on_fewer_threads(search)
     lead_with_fewer_threads(search)
     while True:
         search.refresh()
@@ -202,6 +203,32 @@ def repeat(search: Exploring) -> bool:
     return True
 
 
+def _lead_noise(search: Exploring) -> float:
+    """How close a run on fewer threads must come to the baselines for the start to take them: one process against
+    others (crowd.LEAD_MARGIN), or the baselines' own margin where that is larger."""
+    return max(margin(search.baselines()), LEAD_MARGIN)
+
+
+def second_run_on_fewer_threads(search: Exploring) -> None:
+    """Where the one baseline run on fewer threads came out slower than the lead's margin allows, but within twice
+    it (``crowd.near_miss``), a second run on that count, before the start is decided on both: a run of one process
+    costs less than a start on the wrong count (where the descent reaches the thread knob last). Only where the
+    thread knob is searched and what other work did is not the reason already."""
+    knob = search.thread_knob()
+    if knob is None or search.threads is None or not has(search.space.choices[knob], search.threads[1]):
+        return
+    if (c := search.crowd()) is not None and c.favours_few:
+        return
+    noise = _lead_noise(search)
+    ratio = near_miss(search.baselines(), search.perturbed(), search.threads, noise)
+    if ratio is None:
+        return
+    many, few = search.threads
+    why = (f"the baseline on {few} thread(s) ran {ratio:.2f}x its speed on {many}, short of the {100 * noise:.0f}% "
+           "margin by less than the margin: one process against two, so a second run on that count")
+    search.run_trial(search.space.baseline(), ROLE_PERTURBED, {"threads": few, "why": why})
+
+
 def lead_with_fewer_threads(search: Exploring) -> None:
     """Where fewer threads ran the baseline as fast as the script's count, or other work made them much faster,
     the start takes the thread knob at that count, first. Under other work the runs on the script's count would
@@ -218,7 +245,7 @@ def lead_with_fewer_threads(search: Exploring) -> None:
         if search.strategy.lead(knob, few):
             search.display.note(c.lead_note(knob))
         return
-    noise = max(margin(search.baselines()), LEAD_MARGIN)  # one process against others (crowd.LEAD_MARGIN)
+    noise = _lead_noise(search)
     ratio = fewer_as_fast(search.baselines(), search.perturbed(), search.threads, noise)
     if ratio is not None and search.strategy.lead(knob, few):
         search.display.note(
