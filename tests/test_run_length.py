@@ -374,12 +374,7 @@ import os
 
 atexit.register(lambda: open(os.environ["MARKS"] + ".atexit", "w").close())
 try:
-    for epoch in range(epochs):
-        for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+''' + textwrap.indent(NESTED.removeprefix(HEAD).strip("\n"), "    ") + '''
 finally:
     open(os.environ["MARKS"] + ".finally", "w").close()
 '''
