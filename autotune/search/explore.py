@@ -203,6 +203,14 @@ def repeat(search: Exploring) -> bool:
     return True
 
 
+def _thread_knob_at_fewer(search: Exploring) -> str | None:
+    """The thread knob, where the space searches it at the fewer count the perturbed baseline ran on (None: not)."""
+    knob = search.thread_knob()
+    if knob is None or search.threads is None or not has(search.space.choices[knob], search.threads[1]):
+        return None
+    return knob
+
+
 def _lead_noise(search: Exploring) -> float:
     """How close a run on fewer threads must come to the baselines for the start to take them: one process against
     others (crowd.LEAD_MARGIN), or the baselines' own margin where that is larger."""
@@ -214,8 +222,7 @@ def second_run_on_fewer_threads(search: Exploring) -> None:
     it (``crowd.near_miss``), a second run on that count, before the start is decided on both: a run of one process
     costs less than a start on the wrong count (where the descent reaches the thread knob last). Only where the
     thread knob is searched and what other work did is not the reason already."""
-    knob = search.thread_knob()
-    if knob is None or search.threads is None or not has(search.space.choices[knob], search.threads[1]):
+    if _thread_knob_at_fewer(search) is None:
         return
     if (c := search.crowd()) is not None and c.favours_few:
         return
@@ -236,8 +243,8 @@ def lead_with_fewer_threads(search: Exploring) -> None:
     buy nothing and cost what runs with them (``crowd.fewer_as_fast``). Either way a descent that reaches the
     thread knob last runs out of time first. Decided from the first runs, which a resumed study keeps, so a
     resumed search starts from the same place."""
-    knob = search.thread_knob()
-    if knob is None or search.threads is None or not has(search.space.choices[knob], search.threads[1]):
+    knob = _thread_knob_at_fewer(search)
+    if knob is None:
         return
     many, few = search.threads
     c = search.crowd()
