@@ -1679,11 +1679,12 @@ class OneSlowProcess(ThreadedRunner):
     as long a step."""
 
     first = 1.18
+    seen = False  # a run on 1 thread came already
 
     def run(self, config, role, timeout, on_start=None, attrs=None, **more):
         r = super().run(config, role, timeout, on_start, attrs)
-        if role == "perturbed" and not getattr(self, "_seen", False):
-            self._seen = True
+        if role == "perturbed" and not self.seen:
+            self.seen = True
             r = r.with_(step_times=tuple(self.first * t for t in r.step_times))
         return r
 
