@@ -320,6 +320,106 @@ def test_a_switched_off_attention_flag_becomes_the_knob(tmp_path):
     assert on == pytest.approx(manual, rel=1e-4)  # and SDPA trains as the manual attention does, to rounding
 
 
+@pytest.mark.parametrize(("name", "definition"), [
+    ("flash_constant", "USE_FLASH = False"),  # a module constant, read in a model's forward
+    ("flash_config_dict", '"flash": False'),  # an entry of the one dict that configures the script
+])
+def test_a_switched_off_flag_defined_once_is_turned_on_where_it_is_defined(tmp_path, name, definition):
+    # the flag is defined once and read only by the attention's switch: the tuned script flips it there, as its
+    # author would, and leaves the if as written
+    from transform_cases import baked, case, losses, patched
+
+    (site,) = _sites(name)
+    assert site.status is Status.APPLICABLE
+    assert site.reason.endswith(f"where it is defined ({definition} -> True), as nothing else reads it")
+    original = case("sdpa", name).read_text()
+    gated = patched("sdpa", name)
+    assert losses(tmp_path, "default", gated) == losses(tmp_path, "original", original)
+    on = losses(tmp_path, "on", gated, {"sdpa.attention": "sdpa"})
+    tuned = baked("sdpa", name, {"sdpa.attention": "sdpa"})
+    assert losses(tmp_path, "baked", tuned) == on  # the flipped definition runs what the trials measured
+    changed = [(a, b) for a, b in zip(original.splitlines(), tuned.splitlines(), strict=True) if a != b]
+    assert changed == [(a, a.replace("False", "True")) for a, _ in changed] and len(changed) == 1
+    manual = [float.fromhex(h) for h in losses(tmp_path, "manual", original)]
+    assert [float.fromhex(h) for h in on] == pytest.approx(manual, rel=1e-4)
+
+
+_FLAG_SCRIPT = """\
+import math
+
+import torch
+from torch.nn import functional as F
+
+{defs}
+
+
+def attend(q, k, v):
+    if {test}:
+        return F.scaled_dot_product_attention(q, k, v)
+    w = F.softmax((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1)), dim=-1)
+    return w @ v
+"""
+_CONFIG = 'config = {"lr": 1e-3, "flash": False}'
+
+
+@pytest.mark.parametrize(("defs", "test", "found"), [
+    ("USE_FLASH = False", "USE_FLASH", "False"),
+    ("USE_FLASH = 0", "USE_FLASH", "0"),
+    ("USE_FLASH: bool = False", "USE_FLASH", "False"),
+    ("USE_FLASH = True", "USE_FLASH", "True"),  # on already: the switch is present, nothing to turn on
+    (_CONFIG + '\nlr = config["lr"]', 'config["flash"]', "False"),
+    ("config = dict(lr=1e-3, flash=0)", 'config["flash"]', "0"),
+    # read or written elsewhere, or not plainly a literal: the switch stays where it is
+    ("USE_FLASH = False\nprint('flash:', USE_FLASH)", "USE_FLASH", None),
+    ("USE_FLASH = False\nUSE_FLASH = bool(int('0'))", "USE_FLASH", None),  # llm.c: FLASH = args.flash below
+    ("USE_FLASH = False\ndef enable():\n    global USE_FLASH\n    USE_FLASH = True", "USE_FLASH", None),
+    ("USE_FLASH = False\ndef f(USE_FLASH=True):\n    return USE_FLASH", "USE_FLASH", None),
+    ("USE_FLASH = False\nexec('USE_FLASH = True')", "USE_FLASH", None),  # nanoGPT's configurator.py
+    ("import os\nUSE_FLASH = os.environ.get('FLASH') == '1'", "USE_FLASH", None),
+    ("USE_FLASH, STEPS = False, 10", "USE_FLASH", None),
+    ("USE_FLASH = None", "USE_FLASH", None),
+    (_CONFIG + '\nconfig["flash"] = True', 'config["flash"]', None),
+    (_CONFIG + '\nconfig["lr"] *= 2', 'config["flash"]', None),
+    (_CONFIG + "\nconfig.update(flash=True)", 'config["flash"]', None),
+    (_CONFIG + "\nprint(config)", 'config["flash"]', None),  # passed on: what reads it there is unseen
+    (_CONFIG + '\nprint(config["flash"])', 'config["flash"]', None),
+    ('base = {}\nconfig = {**base, "flash": False}', 'config["flash"]', None),
+    ('config = {"flash": False, "flash": True}', 'config["flash"]', None),
+    ("config = dict(flash=False, **{'lr': 1})", 'config["flash"]', None),
+])
+def test_the_definition_a_flag_is_turned_on_at(tmp_path, defs, test, found):
+    import libcst as cst
+
+    from autotune.transforms._flag import definition
+
+    script = tmp_path / "attn.py"
+    script.write_text(_FLAG_SCRIPT.format(defs=defs, test=test))
+    project = load_project(script)
+    facts = project.entry
+    (switch,) = [n for n in facts.nodes(cst.If) if facts.code(n.test) == test]
+    literal = definition(project, facts, [switch.test])
+    assert (None if literal is None else facts.code(literal)) == found
+
+
+def test_a_flag_another_module_names_stays_switched_where_it_is(tmp_path):
+    # train.py sets model.FLASH itself: flipping model.py's definition would not be the only way it changes
+    import libcst as cst
+
+    from autotune.transforms._flag import definition
+
+    (tmp_path / "model.py").write_text(_FLAG_SCRIPT.format(defs="FLASH = False", test="FLASH"))
+    (tmp_path / "train.py").write_text("import model\n\nmodel.FLASH = True\n")
+    project = load_project(tmp_path / "train.py")
+    facts = next(m for m in project.modules if m.path.name == "model.py")
+    (switch,) = [n for n in facts.nodes(cst.If) if facts.code(n.test) == "FLASH"]
+    assert definition(project, facts, [switch.test]) is None
+    (tmp_path / "train.py").write_text("import model\n")
+    project = load_project(tmp_path / "train.py")
+    facts = next(m for m in project.modules if m.path.name == "model.py")
+    (switch,) = [n for n in facts.nodes(cst.If) if facts.code(n.test) == "FLASH"]
+    assert facts.code(definition(project, facts, [switch.test])) == "False"
+
+
 @pytest.mark.parametrize(("spec", "role", "shared"), [
     ("bhtd,bhsd->bhts", "qk", False),
     ("bhtd,bsd->bhts", "qk", True),  # multi-query: one key head, broadcast over the query heads

@@ -10,6 +10,7 @@ from autotune.transform import Edits, Status, Transform
 from autotune.syntax import expr, is_setting, scope_of
 
 from ._attention import _Matcher
+from ._flag import defined, definition, flag_of, is_on, turned_on
 from ._attention_exprs import (
     EINSUM,
     MATMUL,
@@ -81,11 +82,17 @@ class Sdpa(Transform):
                 continue
             reported.add(match.softmax)
             self._rewrite(facts, edits, match)
+        found = []  # (call, the gate of the knob's helper around it, the script's own switch)
         for call in facts.calls:
             if facts.qualname(call.func) != SDPA:
                 continue
             gate = next((a for a in facts.ancestors(call) if isinstance(a, cst.If) and _gated(facts, a.test)), None)
-            switch = self._switch(facts, call, manual)
+            found.append((call, gate, self._switch(facts, call, manual)))
+        flips = self._flips(facts, [s for _, g, s in found if g is None and s is not None
+                                    and not facts.is_runtime_call(s.test, "sdpa_switch") and not _always_on(facts, s.test)])
+        flipped: set[cst.CSTNode] = set()
+        for call, gate, switch in found:
+            literal = flips.get(switch) if switch is not None else None
             if gate is not None:
                 reason = "attention already behind the sdpa.attention knob"
             elif switch is not None and facts.is_runtime_call(switch.test, "sdpa_switch"):
@@ -93,14 +100,23 @@ class Sdpa(Transform):
             elif switch is not None and _always_on(facts, switch.test):
                 reason = (f"F.scaled_dot_product_attention where {facts.code(switch.test)}, which the script sets "
                           "wherever torch has it")
+            elif literal is not None and is_on(literal):
+                reason = (f"F.scaled_dot_product_attention where {facts.code(switch.test)}, which the script "
+                          f"defines on ({facts.code(literal)})")
             elif switch is not None:
                 flag = facts.code(switch.test)
+                where = (f"; the tuned script turns {flag} on where it is defined ({defined(facts, literal)} -> "
+                         f"{facts.code(turned_on(literal))}), as nothing else reads it") if literal is not None else ""
                 self.report(facts, call, Status.APPLICABLE, (
                     f"if {flag}: F.scaled_dot_product_attention, else the manual attention: the script's own switch "
-                    f"(present, switched off where {flag} is false), which sdpa.attention=sdpa turns on there"))
+                    f"(present, switched off where {flag} is false), which sdpa.attention=sdpa turns on there{where}"))
                 if self.mode.gated:
                     code = f"{edits.runtime('sdpa_switch')}({flag})"
                     edits.rewrite(switch.test, lambda node, code=code: expr(code))
+                elif self.mode.value(self.knobs[0]) == "sdpa" and literal is not None:
+                    if literal not in flipped:  # one definition, however many switches read it
+                        flipped.add(literal)
+                        edits.rewrite(literal, turned_on)
                 elif self.mode.value(self.knobs[0]) == "sdpa":
                     note = cst.Comment(f"# autotune: F.scaled_dot_product_attention whatever {flag} says")
                     edits.rewrite(switch, lambda node, note=note: node.with_changes(
@@ -112,6 +128,21 @@ class Sdpa(Transform):
             else:
                 reason = "already uses F.scaled_dot_product_attention"
             self.report(facts, call, Status.PRESENT, reason)
+
+    def _flips(self, facts: ModuleFacts, switches: list[cst.If]) -> dict[cst.If, cst.BaseExpression]:
+        """The definition (a literal) to turn each switch on at, where the script defines its flag once and reads it
+        only in these switches (``_flag.definition``): every switch of one flag is turned on there, or none."""
+        by_flag: dict[tuple[str, str | None], list[cst.If]] = {}
+        for switch in switches:
+            key = flag_of(switch.test)
+            if key is not None:
+                by_flag.setdefault(key, []).append(switch)
+        out = {}
+        for group in by_flag.values():
+            literal = definition(self.project, facts, [s.test for s in group])
+            if literal is not None:
+                out.update((s, literal) for s in group)
+        return out
 
     @staticmethod
     def _switch(facts: ModuleFacts, call: cst.Call, manual: list[cst.CSTNode]) -> cst.If | None:
