@@ -102,6 +102,75 @@ def test_in_an_overlay_a_trial_overwrites_by_absolute_path_as_the_real_run_would
     assert {p: p.read_bytes().decode(errors="replace") for p in files} == files
 
 
+# DataLoader workers that pass their batches back to the training process: each makes a multiprocessing folder
+# (pymp-*) in the temporary folder, which it removes as it exits, and not when the end of a trial stops it
+WORKERS = '''
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+with open(sys.argv[1], "w") as f:
+    json.dump({"tmp": tempfile.gettempdir(), "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}, f)
+loader = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=4, num_workers=2)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    loss = (model(x) - y).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+def test_a_trial_leaves_nothing_in_the_temporary_folder_and_shares_the_compilers_cache(tmp_path, monkeypatch, request):
+    import json
+    import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from autotune.search.trial import TMP_PREFIX
+
+    # the machine's temporary folder, as the search sees it: a short path, as /tmp is (a socket's path must fit)
+    system = Path(tempfile.mkdtemp(prefix="sys-"))
+    request.addfinalizer(lambda: shutil.rmtree(system, ignore_errors=True))
+    monkeypatch.setenv("TMPDIR", str(system))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    (tmp_path / "user").mkdir()
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(WORKERS)
+    seen = tmp_path / "seen.json"
+    runner = Runner(run(load_project(script)), tmp_path / "work", TrialSettings((str(seen),), tmp_path / "user", "cpu", 1, 2))
+    result = runner.run({}, "baseline", timeout=240)
+    assert result.status is Outcome.OK, result.stderr_tail
+    ran = json.loads(seen.read_text())
+    assert ran["tmp"].startswith(str(system / TMP_PREFIX))  # a folder of the run's own
+    assert ran["inductor"] == default_cache_dir()  # where torch.compile finds its caches when the script runs alone
+    # gone with the run, the workers' folders too; the compiler's cache stays where the next run finds it
+    assert [p.name for p in system.iterdir() if str(p) != ran["inductor"]] == []
+
+
+def test_where_the_temporary_folder_is_too_long_for_a_socket_a_run_keeps_the_systems(tmp_path, monkeypatch):
+    import tempfile
+
+    from autotune.search.trial import SOCKET_PATH_MAX, SOCKET_TAIL, own_tmp_folder
+
+    deep = tmp_path / ("d" * max(SOCKET_PATH_MAX - SOCKET_TAIL - len(str(tmp_path)), 1))
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert own_tmp_folder() is None and list(deep.iterdir()) == []  # nothing made, nothing left
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    if len(str(tmp_path)) + 22 + SOCKET_TAIL <= SOCKET_PATH_MAX:
+        assert Path(own_tmp_folder()).parent == tmp_path
+
+
 # a datasets cache under HF_HOME inside the working directory, as the Hugging Face libraries use it: its lock file
 # opened for writing and removed, an entry written again; and a lock file the script keeps beside its data
 CACHE_USER = '''
