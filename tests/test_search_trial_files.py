@@ -145,7 +145,8 @@ def test_a_trial_leaves_nothing_in_the_temporary_folder_and_shares_the_compilers
     script.parent.mkdir()
     script.write_text(WORKERS)
     seen = tmp_path / "seen.json"
-    runner = Runner(run(load_project(script)), tmp_path / "work", TrialSettings((str(seen),), tmp_path / "user", "cpu", 1, 2))
+    settings = TrialSettings((str(seen),), tmp_path / "user", "cpu", 1, 2)
+    runner = Runner(run(load_project(script)), tmp_path / "work", settings)
     result = runner.run({}, "baseline", timeout=240)
     assert result.status is Outcome.OK, result.stderr_tail
     ran = json.loads(seen.read_text())

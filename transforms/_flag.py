@@ -30,11 +30,11 @@ def flag_of(test: cst.BaseExpression) -> tuple[str, str | None] | None:
 
 def definition(project: Project, facts: ModuleFacts, tests: Sequence[cst.BaseExpression]) -> cst.BaseExpression | None:
     """The literal (False or 0, True or 1) that decides the flag ``tests`` read (each the test of a switch turned on
-    together), where flipping it turns on those switches and nothing else: a variable bound once in ``facts`` by a literal
-    (``FLASH = False``), or an entry of a dict written out once (``config = dict(flash=False)``, ``{"flash": 0}``),
-    whose every other use reads it (``config["lr"]``, never ``config`` passed on), read nowhere else, in no other
-    module, in a module that reads no variables by name (``exec``, ``globals()``: nanoGPT's configurator). None
-    wherever that cannot be shown; the switch then stays where it is."""
+    together), where flipping it turns on those switches and nothing else: a variable bound once in ``facts`` by a
+    literal (``FLASH = False``), or an entry of a dict written out once (``config = dict(flash=False)``, ``{"flash":
+    0}``) whose every other use reads one of its entries (``config["lr"]``, never ``config`` passed on); read nowhere
+    else, in no other module, in a module that reads no variables by name (``exec``, ``globals()``: nanoGPT's
+    configurator). None wherever that cannot be shown; the switch then stays where it is."""
     flags = {flag_of(t) for t in tests}
     if len(flags) != 1 or None in flags:
         return None

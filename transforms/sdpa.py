@@ -88,8 +88,9 @@ class Sdpa(Transform):
                 continue
             gate = next((a for a in facts.ancestors(call) if isinstance(a, cst.If) and _gated(facts, a.test)), None)
             found.append((call, gate, self._switch(facts, call, manual)))
-        flips = self._flips(facts, [s for _, g, s in found if g is None and s is not None
-                                    and not facts.is_runtime_call(s.test, "sdpa_switch") and not _always_on(facts, s.test)])
+        plain = [s for _, g, s in found if g is None and s is not None and not _always_on(facts, s.test)
+                 and not facts.is_runtime_call(s.test, "sdpa_switch")]  # the script's own switches, as it wrote them
+        flips = self._flips(facts, plain)
         flipped: set[cst.CSTNode] = set()
         for call, gate, switch in found:
             literal = flips.get(switch) if switch is not None else None
