@@ -302,8 +302,13 @@ def _name(facts: ModuleFacts, func: cst.BaseExpression) -> str | None:
 
 
 def _plain_reference(node: cst.BaseExpression) -> bool:
-    """A name or a chain of attributes of one (``loader``, ``self.train_loader``, ``args.epochs``)."""
-    while isinstance(node, cst.Attribute):
+    """A name or a chain of attributes of one, and of entries by a string key (``loader``, ``self.train_loader``,
+    ``args.epochs``, a config dict's ``config["max_iters"]``, ``loaders["train"]``)."""
+    while isinstance(node, (cst.Attribute, cst.Subscript)):
+        if isinstance(node, cst.Subscript) and not (
+                len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index)
+                and isinstance(node.slice[0].slice.value, cst.SimpleString)):
+            return False
         node = node.value
     return isinstance(node, cst.Name)
 

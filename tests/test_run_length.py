@@ -327,8 +327,15 @@ def _trial(tmp_path: Path, body: str):
     (CAPPED_FIRST, 15, "15 iterations until done > max_steps (of range(epochs) 3 x len(loader) 12), " + READ),
     (DRY_RUN, 30, "range(1, epochs + 1) 3 x range(0, data.size(0) - 1, 4) 10, " + READ),
     (DRY_RUN.replace("dry_run = False", "dry_run = True"), None, "range(0, data.size(0) - 1, 4) has no length"),
+    # the settings in one dict, read by their keys
+    (NESTED.replace("epochs = 3", 'config = {"epochs": 3, "loaders": {"train": loader}}').replace(
+        "range(epochs)", 'range(config["epochs"])').replace("enumerate(loader)", 'enumerate(config["loaders"]["train"])'),
+     36, 'range(config["epochs"]) 3 x len(config["loaders"]["train"]) 12, ' + READ),
+    (CAPPED.replace("max_iters = 20", 'config = dict(max_iters=20)').replace("max_iters and step >= max_iters",
+                                                                           'step >= config["max_iters"]'),
+     20, '20 iterations until step >= config["max_iters"] (of range(epochs) 3 x len(loader) 12), ' + READ),
 ], ids=["nested", "accumulated", "trainer", "while", "until", "until-unbounded", "nanogpt", "while-counted",
-        "capped", "capped-off", "capped-past", "capped-first", "dry-run-off", "dry-run"])
+        "capped", "capped-off", "capped-past", "capped-first", "dry-run-off", "dry-run", "config-dict", "config-cap"])
 def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, said, tmp_path):
     result = _trial(tmp_path, body)
     assert result.status is Outcome.OK, result.stderr_tail
