@@ -16,7 +16,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.project import TrainingLoop
-from autotune.syntax import assigned_names, is_literal, stores
+from autotune.syntax import assigned_names, is_literal, is_setting, stores
 
 # calls whose first argument is what the loop really iterates over: enumerate(loader), tqdm(loader, ...)
 _WRAPPERS = {"enumerate", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm"}
@@ -303,14 +303,8 @@ def _name(facts: ModuleFacts, func: cst.BaseExpression) -> str | None:
 
 def _plain_reference(node: cst.BaseExpression) -> bool:
     """A name or a chain of attributes of one, and of entries by a string key (``loader``, ``self.train_loader``,
-    ``args.epochs``, a config dict's ``config["max_iters"]``, ``loaders["train"]``)."""
-    while isinstance(node, (cst.Attribute, cst.Subscript)):
-        if isinstance(node, cst.Subscript) and not (
-                len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index)
-                and isinstance(node.slice[0].slice.value, cst.SimpleString)):
-            return False
-        node = node.value
-    return isinstance(node, cst.Name)
+    ``args.epochs``, a config dict's ``config["max_iters"]``, ``loaders["train"]``): a setting (``is_setting``)."""
+    return isinstance(node, cst.Name) or is_setting(node)
 
 
 def _plain(facts: ModuleFacts, node: cst.BaseExpression) -> bool:

@@ -301,10 +301,10 @@ def own_tmp_folder() -> str | None:
 
 def own_tmp(tmp: Path, env: Mapping[str, str]) -> dict[str, str]:
     """The environment that gives a run ``tmp`` as its temporary folder, which the runner removes after the run with
-    whatever its processes left there: a DataLoader worker stopped with the run's process group leaves its
-    multiprocessing folder (pymp-*) behind, a launcher its logs (torchelastic_*), 4 and more a run of a script with
-    workers. torch.compile's caches, which torch keeps in the temporary folder unless told otherwise, stay where the
-    script alone finds them, so runs go on sharing them."""
+    whatever its processes left there: each DataLoader worker stopped with the run's process group leaves its
+    multiprocessing folder (pymp-*) behind, a launcher its logs (torchelastic_*). torch.compile's caches, which torch
+    keeps in the temporary folder unless told otherwise, stay where the script alone finds them, so runs go on
+    sharing them."""
     out = {"TMPDIR": str(tmp)}
     if not env.get("TORCHINDUCTOR_CACHE_DIR"):
         out["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_default()
