@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import getpass
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -271,46 +268,6 @@ class TrialSettings:
     folders: tuple[Path, ...] = ()  # the user's folders protected besides ``cwd`` (the script's project)
 
 
-TMP_PREFIX = "autotune-tmp-"
-# a run's processes make sockets in their temporary folder (multiprocessing: pymp-XXXXXXXX/listener-XXXXXXXX, 32
-# characters more), and a socket's path has at most 107 characters (Linux); with a margin
-SOCKET_PATH_MAX = 100
-SOCKET_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
-
-
-def inductor_cache_default() -> str:
-    """Where torch.compile keeps its caches when TORCHINDUCTOR_CACHE_DIR is not set: in the temporary folder, per
-    user (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``; a test holds the two the same)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):
-        getuid = getattr(os, "getuid", None)
-        user = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
-
-
-def own_tmp_folder() -> str | None:
-    """A new folder for one run's temporary files, in the system's; None where the sockets a run's processes make
-    there would not fit in a socket's path (a long TMPDIR): the run then keeps the system's, as before."""
-    tmp = tempfile.mkdtemp(prefix=TMP_PREFIX)
-    if len(tmp) + SOCKET_TAIL > SOCKET_PATH_MAX:
-        os.rmdir(tmp)
-        return None
-    return tmp
-
-
-def own_tmp(tmp: Path, env: Mapping[str, str]) -> dict[str, str]:
-    """The environment that gives a run ``tmp`` as its temporary folder, which the runner removes after the run with
-    whatever its processes left there: each DataLoader worker stopped with the run's process group leaves its
-    multiprocessing folder (pymp-*) behind, a launcher its logs (torchelastic_*). torch.compile's caches, which torch
-    keeps in the temporary folder unless told otherwise, stay where the script alone finds them, so runs go on
-    sharing them."""
-    out = {"TMPDIR": str(tmp)}
-    if not env.get("TORCHINDUCTOR_CACHE_DIR"):
-        out["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_default()
-    return out
-
-
 def protected(settings: TrialSettings) -> tuple[Path, ...]:
     """The folders whose files a trial must leave as they were."""
     return (settings.cwd, *settings.folders)
@@ -514,14 +471,10 @@ class Runner:
             shutil.rmtree(tdir)
         tdir.mkdir(parents=True)
         iso: Isolation | None = None
-        tmp: str | None = None
         try:
             cmd, cwd, env = self._setup(tdir, config, attrs, {
                 "whole": whole, "compile_cache": compile_cache and str(compile_cache),
                 "load_compile_cache": load_cache and str(load_cache)})
-            tmp = own_tmp_folder()
-            if tmp is not None:
-                env.update(own_tmp(Path(tmp), env))
             if fresh_caches:  # in the trial's own folder: gone with it
                 env.update(TORCHINDUCTOR_CACHE_DIR=str(tdir / "compiler" / "inductor"),
                            TRITON_CACHE_DIR=str(tdir / "compiler" / "triton"))
@@ -536,8 +489,6 @@ class Runner:
             if iso is not None:
                 iso.remove()  # what the trial wrote into your folders goes with it
             shutil.rmtree(tdir, ignore_errors=True)
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
 
     def _setup(
         self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None, more: Mapping[str, Any] | None = None
