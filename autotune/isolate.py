@@ -170,15 +170,15 @@ def _remove(folder: str) -> None:
 SCRATCH_PREFIX = "autotune-isolate-"
 
 
-def _sweep(base: str) -> None:
+def sweep(base: str, prefix: str = SCRATCH_PREFIX) -> None:
     """Remove the scratch folders in ``base`` that a process of this user made and did not live to remove (a search
-    killed by SIGKILL cannot): their names carry the pid of the process that made them."""
+    killed by SIGKILL cannot): their names, ``prefix`` then the pid of the process that made them."""
     try:
         names = os.listdir(base)
     except OSError:
         return
     for name in names:
-        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0] if name.startswith(SCRATCH_PREFIX) else ""
+        pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
         path = os.path.join(base, name)
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
@@ -199,7 +199,7 @@ def _scratch(folders: Sequence[str]) -> str:
     for base in (tempfile.gettempdir(), "/dev/shm", "/var/tmp", "/tmp"):
         real = os.path.realpath(base)
         if os.path.isdir(real) and not any(_under(real, f) for f in folders):
-            _sweep(real)
+            sweep(real)
             return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=real)
     raise IsolationError(0, "no temporary folder outside the folders to protect for the overlays' upper layers")
 

@@ -307,6 +307,8 @@ def _start_trial() -> _Trial | None:
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     if spec.get("mirror"):
         trial_files.keep_user_files(spec["mirror"], spec["cwd"], spec["own"], bool(spec.get("isolated")))
+    if spec.get("mp_tempdir"):
+        trial_files.share_mp_tempdir(spec["mp_tempdir"])
     trial = _Trial(spec)
     if spec.get("load_compile_cache"):  # first thing, as the tuned script's loader at its top
         trial.cache_loaded = trial_files.load_compile_cache(spec["load_compile_cache"])
@@ -327,6 +329,9 @@ def _start_trial() -> _Trial | None:
         Path(pids).mkdir(parents=True, exist_ok=True)
         # "rank world_size": which ranks started, should none of them live to write a result
         Path(pids, str(os.getpid())).write_text(f"{trial.rank} {trial.world_size}", encoding="utf-8")
+        logs = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if logs:  # in the folder torchrun made for this launch's logs (autotune.search.ranks.launcher_logs)
+            Path(pids, f"logs.{trial.rank}").write_text(logs, encoding="utf-8")
     if trial.search_pid is not None:
         _watch_search(trial.search_pid)
     return trial

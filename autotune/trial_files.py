@@ -113,6 +113,17 @@ _write_check: Callable[[Any], None] | None = None  # a trial's check of a path i
 _save_checked = False
 
 
+def share_mp_tempdir(folder: str) -> None:
+    """Make ``folder`` (the search's, removed after the trial) this process's multiprocessing temporary folder, and so
+    that of every process it starts: a DataLoader worker passes each batch's tensors through a listening socket in
+    that folder, and a worker the search kills as the trial ends never removes its own ``pymp-*`` (about four a run
+    of a loader with four workers). Children inherit it by any start method (fork, spawn, forkserver: the process
+    object's config travels with it). A folder the script already made is kept."""
+    import multiprocessing.process
+
+    multiprocessing.process.current_process()._config.setdefault("tempdir", folder)
+
+
 def wrap_torch_save() -> None:
     """torch.save by file name writes from C++, unseen by the audit hook: check its path first."""
     global _save_checked

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,13 @@ def _cpu_unless_marked_cuda(request, monkeypatch):
     """
     if "cuda" not in request.keywords:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture
+def temp(monkeypatch):
+    """The temporary folder of the search and of its trials (give the trials ``TMPDIR``), this test's own and short,
+    as a socket's path in it must be: what they leave there is seen."""
+    folder = tempfile.mkdtemp(prefix="t")
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)

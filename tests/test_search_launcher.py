@@ -26,7 +26,7 @@ from autotune.search import trial as trial_module
 from autotune.search.identity import fingerprint
 from autotune.search.options import SearchOptions
 from autotune.search.space import build_space, read_space
-from autotune.search.ranks import merge_ranks
+from autotune.search.ranks import launcher_logs, merge_ranks
 from autotune.search.trial import Outcome, Runner, TrialResult, TrialSettings, classify
 
 TESTS = Path(__file__).resolve().parent
@@ -316,6 +316,39 @@ def test_ranks_end_cleanly_when_a_trial_stops_a_ddp_script_before_its_destroy_pr
         runner.cleanup()
     assert [str(r.status) for r in results] == ["ok"] * 8, [r.error for r in results if r.error]
     assert all(r.ranks == 2 and len(r.step_times) == STEPS for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_dir", [False, True], ids=["torchruns-own", "the-users"])
+def test_the_folder_torchrun_makes_for_a_trials_logs_goes_with_it_unless_it_is_the_users(log_dir, tmp_path, temp):
+    logs = tmp_path / "logs"
+    launcher = (*TORCHRUN, f"--log-dir={logs}") if log_dir else TORCHRUN
+    patch = run(load_project(DDP_SCRIPT), select())
+    (tmp_path / "run").mkdir()
+    settings = TrialSettings(("--epochs", "5"), tmp_path / "run", "cpu", WARMUP, STEPS, {**ENV, "TMPDIR": str(temp)},
+                             launcher)
+    runner = Runner(patch, tmp_path / "work", settings)
+    try:
+        result = runner.run({}, "search", timeout=120)
+    finally:
+        runner.cleanup()
+    assert result.status is Outcome.OK and result.ranks == 2, result.stderr_tail
+    left = [name for name in os.listdir(temp) if not name.startswith("torchinductor_")]  # (torch's cache: it stays)
+    assert left == [], "torchrun's log folder, or the ranks' multiprocessing files, left behind"
+    assert logs.exists() is log_dir and (not log_dir or any(logs.rglob("attempt_0")))
+
+
+def test_torchruns_log_folder_is_read_from_the_error_file_each_rank_was_told_of(tmp_path, temp):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    (pids / "logs.0").write_text(str(temp / "torchelastic_ab12" / "run_x" / "attempt_0" / "0" / "error.json"))
+    (pids / "logs.1").write_text(str(temp / "torchelastic_ab12" / "run_x" / "attempt_0" / "1" / "error.json"))
+    assert launcher_logs(tmp_path, TORCHRUN, None) == [temp / "torchelastic_ab12"]
+    assert launcher_logs(tmp_path, (*TORCHRUN, "--log-dir", str(temp / "torchelastic_ab12")), None) == []
+    assert launcher_logs(tmp_path, TORCHRUN, str(temp / "torchelastic_ab12")) == []  # PET_LOG_DIR
+    (pids / "logs.0").write_text(str(tmp_path / "mine" / "run_x" / "attempt_0" / "0" / "error.json"))
+    (pids / "logs.1").write_text(str(temp / "run_x" / "attempt_0" / "1" / "error.json"))
+    assert launcher_logs(tmp_path, TORCHRUN, None) == []  # not one torchrun made in the temporary folder
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from procs import alive, wait_gone
 
 from autotune.project import load_project
 from autotune.patch import run, select
-from autotune.search.trial import Outcome, Runner, TrialSettings, _subreaper
+from autotune.search.trial import Outcome, Runner, TrialSettings, _mp_tempdir, _subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 ORPHANS = REPO / "fixtures" / "search" / "orphans.py"
@@ -98,3 +99,61 @@ def test_a_search_leaves_no_process_of_its_trials_behind(tmp_path, pids):
     left = _pids(pids)
     assert len(left) >= 2 * 4  # two baselines, the candidate and a confirmation pair, each leaving two
     assert wait_gone(left, 5) == []
+
+
+# A loop over a DataLoader with worker processes: each worker passes its batches' tensors through a listening socket
+# in multiprocessing's temporary folder, which it removes only as it exits by itself, never when the search kills it.
+WORKERS = '''
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+loader = DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=8, num_workers=2)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+def _workers_trial(tmp_path: Path, temp: Path, whole: bool):
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(WORKERS)
+    settings = TrialSettings((), tmp_path, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(temp)})
+    runner = Runner(run(load_project(script)), tmp_path / "work", settings)
+    try:
+        return runner.run({}, "whole" if whole else "baseline", timeout=120, **({"whole": True} if whole else {}))
+    finally:
+        runner.cleanup()
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["window", "whole"])
+def test_a_trials_multiprocessing_files_go_with_it(whole, tmp_path, temp):
+    result = _workers_trial(tmp_path, temp, whole)
+    assert result.status is Outcome.OK, (result.error, result.stderr_tail)
+    assert [name for name in os.listdir(temp) if name.startswith(("pymp-", "atmp-"))] == []
+
+
+def test_where_a_socket_would_not_fit_in_the_search_s_folder_the_trial_makes_its_own(tmp_path, monkeypatch):
+    # 75 characters: multiprocessing's own /pymp-12345678/listener-12345678 fits in 107, the search's folder does not
+    long = tmp_path / ("t" * (75 - len(str(tmp_path)) - 1))
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    result = _workers_trial(tmp_path, long, False)
+    assert result.status is Outcome.OK, (result.error, result.stderr_tail)  # (a worker's socket too long: it hung)
+    assert not [name for name in os.listdir(long) if name.startswith("atmp-")]
+
+
+def test_the_folder_a_killed_search_left_is_swept_by_the_next(temp):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = temp / f"atmp-{int(dead.stdout)}-abcdefgh"  # a search killed by SIGKILL, its pid now gone
+    (left / "pymp-x").mkdir(parents=True)
+    alive_one = temp / f"atmp-{os.getppid()}-abcdefgh"  # a search still running (this test's parent process)
+    alive_one.mkdir()
+    made = Path(_mp_tempdir())
+    assert made.parent == temp and made.name.startswith(f"atmp-{os.getpid()}-")
+    assert sorted(p.name for p in temp.iterdir()) == sorted([made.name, alive_one.name])

@@ -7,6 +7,7 @@ import json
 import math
 import shlex
 import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,24 @@ def started_ranks(tdir: Path) -> dict[int, int]:
             continue
         out[rank] = world
     return out
+
+
+def launcher_logs(tdir: Path, launcher: Sequence[str], log_dir: str | None) -> list[Path]:
+    """The folders torchrun made in the temporary folder for a trial's logs (``torchelastic_*``, one a launch, which
+    torchrun leaves behind: 34 after the launcher tests), from the error file each rank was told of; none where its
+    logs go to a folder of the user's (``--log-dir``, or ``log_dir``: the environment's PET_LOG_DIR)."""
+    if log_dir or any(a.startswith(("--log-dir", "--log_dir")) for a in launcher):
+        return []
+    base = Path(tempfile.gettempdir())
+    found = set()
+    for f in (tdir / "pids").glob("logs.*"):
+        try:
+            path = Path(f.read_text(encoding="utf-8"))
+        except OSError:
+            continue
+        if path.is_relative_to(base) and path != base and path.relative_to(base).parts[0].startswith("torchelastic_"):
+            found.add(base / path.relative_to(base).parts[0])
+    return sorted(found)
 
 
 def teardown_fatal(tdir: Path, world: int) -> str | None:

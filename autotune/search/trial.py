@@ -12,6 +12,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -24,11 +25,13 @@ import yaml
 from autotune.contention import SEARCH_PID_ENV, descendants, process_table
 from autotune.knobs import Knob
 from autotune.patch import CONFIG_NAME, PatchResult, knob_table
-from autotune.isolate import OVERLAY, Isolation, IsolationError
+from autotune.isolate import OVERLAY, Isolation, IsolationError, sweep
 from autotune.runtime import CONFIG_ENV, TRIAL_ENV
 from autotune.trial_files import shared_caches
 from autotune.search.machine import machine_key
-from autotune.search.ranks import merge_ranks, never, rank_results, ranks_reported, started_ranks, teardown_fatal
+from autotune.search.ranks import (
+    launcher_logs, merge_ranks, never, rank_results, ranks_reported, started_ranks, teardown_fatal,
+)
 
 STDERR_TAIL_CHARS = 2000
 LAUNCHER_TAIL_CHARS = 8000  # a launcher's own failure summary alone fills a few thousand characters
@@ -414,6 +417,23 @@ def _tail(path: Path, chars: int = STDERR_TAIL_CHARS) -> str:
         return ""
 
 
+MP_PREFIX = "atmp-"  # short: a listening socket's path in the folder has at most 107 bytes (AF_UNIX)
+SOCKET_NAME = len("/listener-12345678")  # multiprocessing's name for one (connection.arbitrary_address)
+
+
+def _mp_tempdir() -> str | None:
+    """A new folder for a trial's multiprocessing temporary files (autotune.trial_files.share_mp_tempdir), removed
+    after the trial: the sockets of the DataLoader workers the search kills as a trial ends, which left about four
+    ``pymp-*`` folders in the temporary folder a run (190 a 300 s makemore search). Its name carries the search's
+    pid, so that those a killed search left are swept by the next. None where the temporary folder's path is so long
+    that a socket's path in it would not fit where multiprocessing's own would: the trial makes its own then."""
+    base = tempfile.gettempdir()
+    if len(os.path.join(base, f"{MP_PREFIX}{os.getpid()}-12345678")) + SOCKET_NAME > 107:
+        return None
+    sweep(base, MP_PREFIX)
+    return tempfile.mkdtemp(prefix=f"{MP_PREFIX}{os.getpid()}-", dir=base)
+
+
 class Runner:
     """Writes the patched files once into ``work`` and runs each trial as its own process group there."""
 
@@ -471,10 +491,11 @@ class Runner:
             shutil.rmtree(tdir)
         tdir.mkdir(parents=True)
         iso: Isolation | None = None
+        mp_tempdir = _mp_tempdir()
         try:
             cmd, cwd, env = self._setup(tdir, config, attrs, {
                 "whole": whole, "compile_cache": compile_cache and str(compile_cache),
-                "load_compile_cache": load_cache and str(load_cache)})
+                "load_compile_cache": load_cache and str(load_cache), "mp_tempdir": mp_tempdir})
             if fresh_caches:  # in the trial's own folder: gone with it
                 env.update(TORCHINDUCTOR_CACHE_DIR=str(tdir / "compiler" / "inductor"),
                            TRITON_CACHE_DIR=str(tdir / "compiler" / "triton"))
@@ -488,7 +509,13 @@ class Runner:
         finally:
             if iso is not None:
                 iso.remove()  # what the trial wrote into your folders goes with it
+            if self.settings.launcher:
+                log_dir = self.settings.env.get("PET_LOG_DIR", os.environ.get("PET_LOG_DIR"))
+                for folder in launcher_logs(tdir, self.settings.launcher, log_dir):
+                    shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(tdir, ignore_errors=True)
+            if mp_tempdir is not None:  # every process of the trial has ended (_execute)
+                shutil.rmtree(mp_tempdir, ignore_errors=True)
 
     def _setup(
         self, tdir: Path, config: Mapping[str, Any], attrs: Mapping[str, Any] | None, more: Mapping[str, Any] | None = None
