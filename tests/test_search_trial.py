@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import subprocess
@@ -157,3 +158,43 @@ def test_the_folder_a_killed_search_left_is_swept_by_the_next(temp):
     made = Path(_mp_tempdir())
     assert made.parent == temp and made.name.startswith(f"atmp-{os.getpid()}-")
     assert sorted(p.name for p in temp.iterdir()) == sorted([made.name, alive_one.name])
+
+
+# A run that writes into torch.compile's default cache (as compiling does) and elsewhere in the temporary folder.
+CACHES = '''
+import getpass
+import os
+import tempfile
+
+import torch
+
+open(os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser(), "compiled"), "w").close()
+open(os.path.join(tempfile.gettempdir(), "scratch"), "w").close()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(5):
+    loss = model(torch.ones(2, 4)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+def test_torch_compiles_cache_stays_real_where_the_temporary_folder_is_inside_an_overlay(tmp_path, monkeypatch):
+    # a search run from /tmp: its trials see /tmp as an overlay, so what compiling leaves there would be lost
+    run_dir = tmp_path / "run"
+    temp = run_dir / "tmp"
+    temp.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(CACHES)
+    settings = TrialSettings((), run_dir, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(temp)})
+    runner = Runner(run(load_project(script)), tmp_path / "work", settings)
+    try:
+        result = runner.run({}, "baseline", timeout=120)
+    finally:
+        runner.cleanup()
+    assert result.status is Outcome.OK, (result.error, result.stderr_tail)
+    assert sorted(p.relative_to(temp).as_posix() for p in temp.rglob("*")) == [
+        f"torchinductor_{getpass.getuser()}", f"torchinductor_{getpass.getuser()}/compiled"]

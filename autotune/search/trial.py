@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import getpass
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -276,10 +278,26 @@ def protected(settings: TrialSettings) -> tuple[Path, ...]:
     return (settings.cwd, *settings.folders)
 
 
+def compile_cache_default() -> Path:
+    """torch.compile's cache where no variable names one, and where its precompiled headers go whatever names one
+    (torch._inductor.runtime.cache_dir_utils.default_cache_dir): ``torchinductor_USER`` in the temporary folder."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return Path(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def _kept(own: Path) -> list[Path]:
     """What stays the real thing inside the overlays: the search's own folder (where a trial's result is written)
-    and the caches libraries share between runs, written and locked by every run (``SHARED_CACHES``)."""
-    return [own, *map(Path, shared_caches())]
+    and the caches libraries share between runs, written and locked by every run (``SHARED_CACHES``), torch.compile's
+    default one among them: where the temporary folder is inside a folder a trial sees as an overlay (a search run
+    from /tmp), every compiling run would otherwise compile cold and rebuild torch's precompiled headers. An overlay
+    keeps only a folder that exists: that one is made, as the first compiling run would."""
+    compiled = compile_cache_default()
+    with contextlib.suppress(OSError):
+        compiled.mkdir(parents=True, exist_ok=True)
+    return [own, *map(Path, shared_caches()), compiled]
 
 
 def probe_isolation(folders: Iterable[Path]) -> float:
