@@ -247,11 +247,24 @@ def is_reference(node: cst.BaseExpression | None, indexes: tuple[type, ...] = ()
             return node.value not in ("True", "False", "None")
         if isinstance(node, cst.Attribute):
             node = node.value
-        elif indexes and isinstance(node, cst.Subscript) and len(node.slice) == 1 \
-                and isinstance(node.slice[0].slice, cst.Index) and isinstance(node.slice[0].slice.value, indexes):
+        elif indexes and isinstance(node, cst.Subscript) and isinstance(one_index(node), indexes):
             node = node.value
         else:
             return False
+
+
+def one_index(node: cst.Subscript) -> cst.BaseExpression | None:
+    """The index of ``node`` where it has one and no slice (``x[-1]``, ``config["compile"]``); else None."""
+    if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
+        return node.slice[0].slice.value
+    return None
+
+
+def string_key(node: cst.Subscript) -> str | None:
+    """The key of ``config["compile"]``: the string ``node`` is indexed by; None for any other index."""
+    index = one_index(node)
+    key = index.evaluated_value if isinstance(index, cst.SimpleString) else None
+    return key if isinstance(key, str) else None
 
 
 def is_setting(node: cst.BaseExpression) -> bool:

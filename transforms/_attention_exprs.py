@@ -18,6 +18,7 @@ from autotune.syntax import (
     is_name,
     is_param,
     names_read,
+    one_index,
     positional,
     self_attr,
     walk,
@@ -293,8 +294,8 @@ def _dim_of(facts: ModuleFacts, node: cst.BaseExpression, m: _Match) -> bool:
         args = positional(node)
         return len(node.args) == 1 and len(args) == 1 and int_value(args[0]) == -1 and facts.code(node.func.value) in names
     if isinstance(node, cst.Subscript) and isinstance(node.value, cst.Attribute) and node.value.attr.value == "shape":
-        if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
-            return int_value(node.slice[0].slice.value) == -1 and facts.code(node.value.value) in names
+        index = one_index(node)
+        return index is not None and int_value(index) == -1 and facts.code(node.value.value) in names
     return False
 
 

@@ -8,7 +8,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.project import Project
-from autotune.syntax import is_name, names_variable
+from autotune.syntax import is_name, names_variable, string_key
 
 # literals that switch a flag off, and what turns it on in the same spelling
 ON = {"False": "True", "0": "1"}
@@ -22,7 +22,7 @@ def flag_of(test: cst.BaseExpression) -> tuple[str, str | None] | None:
     if isinstance(test, cst.Name):
         return test.value, None
     if isinstance(test, cst.Subscript) and isinstance(test.value, cst.Name):
-        key = _string_index(test)
+        key = string_key(test)
         if key is not None:
             return test.value.value, key
     return None
@@ -59,10 +59,10 @@ def definition(project: Project, facts: ModuleFacts, tests: Sequence[cst.BaseExp
                 return None
         else:
             read = facts.parent(name)
-            if not (isinstance(read, cst.Subscript) and read.value is name and _string_index(read) is not None
+            if not (isinstance(read, cst.Subscript) and read.value is name and string_key(read) is not None
                     and _loaded(facts, read)):
                 return None  # passed on, called a method of, written into: what else reads the flag is unseen
-            if _string_index(read) == key and not any(read is t for t in tests):
+            if string_key(read) == key and not any(read is t for t in tests):
                 return None
     if value is None or not isinstance(value, (cst.Name, cst.Integer)) or value.value not in (*ON, *ON.values()):
         return None
@@ -85,15 +85,6 @@ def defined(facts: ModuleFacts, literal: cst.BaseExpression) -> str:
 def turned_on(literal: cst.BaseExpression) -> cst.BaseExpression:
     """``literal`` (False, 0) in the spelling that switches its flag on."""
     return literal.with_changes(value=ON[literal.value])  # type: ignore[attr-defined]
-
-
-def _string_index(subscript: cst.Subscript) -> str | None:
-    if len(subscript.slice) != 1 or not isinstance(subscript.slice[0].slice, cst.Index):
-        return None
-    index = subscript.slice[0].slice.value
-    if isinstance(index, cst.SimpleString) and isinstance(index.evaluated_value, str):
-        return index.evaluated_value
-    return None
 
 
 def _bound_value(facts: ModuleFacts, name: cst.Name) -> cst.BaseExpression | None:

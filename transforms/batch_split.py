@@ -13,7 +13,8 @@ from autotune.analysis import ModuleFacts
 from autotune.knobs import Knob, Numerics, Role
 from autotune.project import TrainingLoop
 from autotune.syntax import (
-    argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, unique_name, walk,
+    argument, assignments, enclosing_if, is_literal, is_reference, names_variable, scope_of, stmt, string_key, unique_name,
+    walk,
 )
 from autotune.transform import Edits, Status, Transform
 from autotune.transforms._split_indexed import from_indexed, indexed_call
@@ -618,10 +619,8 @@ def _self_attribute(facts: ModuleFacts, size: cst.BaseExpression | None) -> str 
         return size.attr.value
     if isinstance(size, cst.Attribute) and facts.code(size.value) == "self.hparams":
         return size.attr.value
-    if isinstance(size, cst.Subscript) and facts.code(size.value) == "self.hparams" and len(size.slice) == 1:
-        index = size.slice[0].slice
-        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
-            return index.value.evaluated_value
+    if isinstance(size, cst.Subscript) and facts.code(size.value) == "self.hparams":
+        return string_key(size)
     return None
 
 

@@ -9,7 +9,7 @@ from autotune.knobs import Knob, Numerics
 from autotune.transform import Edits, Status, Transform
 from autotune.syntax import (
     add_args, argument, assignments, expr, is_constant, is_name, kwarg, move_into_helper, names_variable,
-    scope_of,
+    scope_of, string_key,
 )
 from autotune.transforms._model import ClassRef, find_class, model_class, training
 from autotune.transforms._sites import h2d_copy, short
@@ -360,10 +360,10 @@ def _dict_keys(facts: ModuleFacts, at: cst.CSTNode, value: cst.BaseExpression) -
         elif isinstance(parent, cst.Subscript) and parent.value is use:
             target = facts.parent(parent)
             if isinstance(target, cst.AssignTarget):
-                index = parent.slice[0].slice if len(parent.slice) == 1 else None
-                if not (isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString)):
+                key = string_key(parent)
+                if key is None:
                     return None
-                add({index.value.evaluated_value: [facts.parent(target).value]})  # type: ignore[union-attr,dict-item]
+                add({key: [facts.parent(target).value]})  # type: ignore[union-attr]
         elif isinstance(parent, (cst.Param, cst.AnnAssign, cst.AugAssign, cst.For, cst.AsName, cst.Del)):
             return None
         elif isinstance(parent, cst.Attribute) and parent.attr is use:
