@@ -126,14 +126,16 @@ def test_the_noise_warning_names_the_other_work_the_runs_measured():
     from autotune.search.outcome import noise_warning
     from autotune.search.trial import Outcome, TrialResult
 
-    def run(others, load=1.0):
+    def run(others, load=1.0, step=0.1):
         c = {"own": 2.0, "others": others, "steal": 0.0, "cores": 2.0, "span_s": 3.0} if others is not None else None
-        return TrialResult(config={}, role="baseline", status=Outcome.OK, step_times=(0.1,), load=load, contention=c)
+        return TrialResult(config={}, role="baseline", status=Outcome.OK, step_times=(step,), load=load, contention=c)
 
-    busy = noise_warning(0.4, [run(0.1), run(1.2), run(0.9)], (2, 1))
-    assert busy == ("this machine's timing is noisy: 3 runs of the baseline differ by 40% in step time, so speedups "
-                    "below that are not reliable here; other work on the machine took up to 1.2 processors from the "
-                    "steps of 2 of these 3 runs: stop it, or raise --confirm")
+    busy = noise_warning(0.4, [run(0.1), run(1.2, step=0.14), run(0.9)], (2, 1))
+    assert busy == ("this machine's timing is noisy: 3 runs of the baseline differ by 40% in step time (one against "
+                    "those beside it: 34% rms), so one run's speedup below that is no evidence: the search keeps a "
+                    "change only where it beats the noise twice over, and gives a verdict only on interleaved A/B "
+                    "pairs; other work on the machine took up to 1.2 processors from the steps of 2 of these 3 runs: "
+                    "stop it, or raise --confirm")
     quiet = noise_warning(0.4, [run(0.1), run(0.2)], (2, 1))
     assert "no other work took processors from their steps (at most 0.2)" in quiet
     unread = noise_warning(0.4, [run(None, load=3.5), run(None, load=3.5)], (2, 1))  # (a runtime that did not read)

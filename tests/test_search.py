@@ -232,6 +232,9 @@ def _outputs_of_a_won_search(out: Path, doc: dict, name: str) -> None:
     assert base["steps_per_s"] > 0 and base["samples_per_s"] == pytest.approx(16 * base["steps_per_s"], rel=1e-3)
     assert doc["noise"]["deterministic"] is True  # the fixture is seeded: bit-identical losses run to run
     assert doc["noise"]["perturbed_runs"] == 1  # and once on another thread count, for the reordering floor
+    # the step time's noise over the search, and as the search's comparisons carry it (drift left out): no larger
+    assert 0 <= doc["noise"]["time_local_rms"] <= 2 * doc["noise"]["time_spread"]
+    assert f"one against those beside it: {100 * doc['noise']['time_local_rms']:.0f}% rms" in (out / "report.md").read_text()
     # the baseline, the start and the descent's steps from it (which ones depends on the measured speeds)
     assert doc["search"]["mode"].startswith("descent") and doc["search"]["configurations_measured"] >= 3
     assert doc["search"]["path"][0] == "start: dataloader.num_workers=2, gc.freeze=true"

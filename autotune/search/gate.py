@@ -73,6 +73,9 @@ class Noise:
     # carries a rounding difference; the floor of the tolerance of knobs that reorder or lower precision.
     reorder: tuple[float, ...] = ()
     perturbed: int = 0  # perturbed runs measured
+    # a baseline run against the baseline runs just before and after it: the root mean square of the log ratios
+    # (outcome.neighbour_noise), the noise a comparison the search makes carries, without the machine's drift
+    time_local: float | None = None
 
     @property
     def deterministic(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Callable, Mapping
@@ -230,12 +231,26 @@ def time_spread(runs: list[TrialResult]) -> float | None:
     return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
 
 
+def neighbour_noise(runs: list[TrialResult]) -> float | None:
+    """How far a baseline run's step time is from the mean of the baseline runs just before and after it, as the root
+    mean square of the log ratios: the noise a comparison the search makes carries (``local_speedups``), with the
+    machine's drift over minutes left out of it as the comparison leaves it out. None for fewer than two runs."""
+    times = [r.step_time for r in runs if r.step_time]
+    if len(times) < 2:
+        return None
+    errors = [math.log(statistics.fmean(times[max(i - 1, 0):i] + times[i + 1:i + 2]) / t) for i, t in enumerate(times)]
+    return math.sqrt(statistics.fmean(e * e for e in errors))
+
+
 def noise_warning(spread: float, runs: list[TrialResult], threads: tuple[int, int] | None) -> str:
     """What a noisy machine means for the verdict, with the load average the runs saw and its likely cause."""
     loads = [r.load for r in runs if r.load is not None]
+    local = neighbour_noise(runs)
+    beside = f" (one against those beside it: {100 * local:.0f}% rms)" if local is not None else ""
     text = (
-        f"this machine's timing is noisy: {len(runs)} runs of the baseline differ by {100 * spread:.0f}% in step time, "
-        "so speedups below that are not reliable here"
+        f"this machine's timing is noisy: {len(runs)} runs of the baseline differ by {100 * spread:.0f}% in step time"
+        f"{beside}, so one run's speedup below that is no evidence: the search keeps a change only where it beats "
+        "the noise twice over, and gives a verdict only on interleaved A/B pairs"
     )
     others = [r.others for r in runs if r.others is not None]
     if others:  # measured during the steps themselves (autotune.contention), not inferred from the load average

@@ -127,6 +127,7 @@ def summary_doc(o: SearchOutcome, entry_hash: str, file_hashes: Mapping[str, str
                 "perturbed_runs": o.noise.perturbed,
                 "reorder_max_deviation": _r(o.noise.max_reorder, 3),
                 "time_spread": _r(o.noise.time, 3),
+                "time_local_rms": _r(o.noise.time_local, 3),
             },
             "search": {
                 "study": o.study_name,
@@ -339,7 +340,10 @@ def _about_lines(o: SearchOutcome, doc: Mapping[str, Any]) -> list[str]:
             else ""
         ),
         *([f"- Objective: {_plain(o.run_length)}"] if o.run_length else []),
-        f"- Noise: {o.noise.runs} baseline runs; step time spread {_pct(o.noise.time)} between them; losses "
+        f"- Noise: {o.noise.runs} baseline runs; step time spread {_pct(o.noise.time)} between them"
+        + (f" (one against those beside it: {_pct(o.noise.time_local)} rms, the noise the search's comparisons carry)"
+           if o.noise.time_local is not None else "")
+        + "; losses "
         + (
             "bit-identical run to run"
             if o.noise.deterministic

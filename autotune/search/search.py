@@ -45,6 +45,7 @@ from autotune.search.outcome import (
     SearchOutcome,
     is_baseline_run,
     local_speedups,
+    neighbour_noise,
     noise_warning,
     time_spread,
     train_time,
@@ -345,7 +346,8 @@ class Search:
         """The baseline's noise on ``machine``: in loss from its baseline runs, in time from every run of the
         baseline there (confirmation's baseline arms too)."""
         noise = measure_noise(self.baselines(machine), self.perturbed(machine))
-        return replace(noise, time=time_spread([r for r in self._all_baselines(machine)]))
+        runs = self._all_baselines(machine)
+        return replace(noise, time=time_spread(runs), time_local=neighbour_noise(runs))
 
     def _all_baselines(self, machine: str | None = None) -> list[TrialResult]:
         machine = self.mine(machine)

@@ -3,10 +3,9 @@ beat to count."""
 
 from __future__ import annotations
 
-import math
-import statistics
 from typing import Any
 
+from autotune.search.outcome import neighbour_noise
 from autotune.search.ports import Viewed
 from autotune.search.strategy import Observation
 from autotune.search.study import ROLE_BASELINE, ROLE_DUEL, ROLE_SEARCH
@@ -81,9 +80,5 @@ def margin(baselines: list[TrialResult]) -> float:
     of nothing. Each baseline run is compared as a search run is (``outcome.local_speedups``), with the mean of the
     baseline runs just before and after it; the margin is twice the root mean square of those log ratios, within
     [MIN_MARGIN, MAX_MARGIN]. The machine's drift over minutes stays out of it as it stays out of the comparison."""
-    times = [b.step_time for b in baselines if b.step_time]
-    if len(times) < 2:
-        return MIN_MARGIN
-    errors = [math.log(statistics.fmean(times[max(i - 1, 0):i] + times[i + 1:i + 2]) / t) for i, t in enumerate(times)]
-    rms = math.sqrt(statistics.fmean(e * e for e in errors))
-    return min(max(2 * rms, MIN_MARGIN), MAX_MARGIN)
+    rms = neighbour_noise(baselines)
+    return MIN_MARGIN if rms is None else min(max(2 * rms, MIN_MARGIN), MAX_MARGIN)
