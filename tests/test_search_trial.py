@@ -120,11 +120,13 @@ for x, y in loader:
 '''
 
 
-def _workers_trial(tmp_path: Path, temp: Path, whole: bool):
+def _trial_in(temp: Path, tmp_path: Path, body: str, run_dir: Path | None = None, whole: bool = False):
+    """One trial of ``body`` run from ``run_dir`` (the folder its overlay covers) with ``temp`` as its temporary
+    folder."""
     script = tmp_path / "code" / "train.py"
     script.parent.mkdir()
-    script.write_text(WORKERS)
-    settings = TrialSettings((), tmp_path, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(temp)})
+    script.write_text(body)
+    settings = TrialSettings((), run_dir or tmp_path, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(temp)})
     runner = Runner(run(load_project(script)), tmp_path / "work", settings)
     try:
         return runner.run({}, "whole" if whole else "baseline", timeout=120, **({"whole": True} if whole else {}))
@@ -134,7 +136,7 @@ def _workers_trial(tmp_path: Path, temp: Path, whole: bool):
 
 @pytest.mark.parametrize("whole", [False, True], ids=["window", "whole"])
 def test_a_trials_multiprocessing_files_go_with_it(whole, tmp_path, temp):
-    result = _workers_trial(tmp_path, temp, whole)
+    result = _trial_in(temp, tmp_path, WORKERS, whole=whole)
     assert result.status is Outcome.OK, (result.error, result.stderr_tail)
     assert [name for name in os.listdir(temp) if name.startswith(("pymp-", "atmp-"))] == []
 
@@ -144,7 +146,7 @@ def test_where_a_socket_would_not_fit_in_the_search_s_folder_the_trial_makes_its
     long = tmp_path / ("t" * (75 - len(str(tmp_path)) - 1))
     long.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long))
-    result = _workers_trial(tmp_path, long, False)
+    result = _trial_in(long, tmp_path, WORKERS)
     assert result.status is Outcome.OK, (result.error, result.stderr_tail)  # (a worker's socket too long: it hung)
     assert not [name for name in os.listdir(long) if name.startswith("atmp-")]
 
@@ -186,15 +188,7 @@ def test_torch_compiles_cache_stays_real_where_the_temporary_folder_is_inside_an
     temp = run_dir / "tmp"
     temp.mkdir(parents=True)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    script = tmp_path / "code" / "train.py"
-    script.parent.mkdir()
-    script.write_text(CACHES)
-    settings = TrialSettings((), run_dir, "cpu", 1, 2, {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(temp)})
-    runner = Runner(run(load_project(script)), tmp_path / "work", settings)
-    try:
-        result = runner.run({}, "baseline", timeout=120)
-    finally:
-        runner.cleanup()
+    result = _trial_in(temp, tmp_path, CACHES, run_dir)
     assert result.status is Outcome.OK, (result.error, result.stderr_tail)
     assert sorted(p.relative_to(temp).as_posix() for p in temp.rglob("*")) == [
         f"torchinductor_{getpass.getuser()}", f"torchinductor_{getpass.getuser()}/compiled"]
