@@ -63,6 +63,7 @@ def run_dist_probe(
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        f"--log-dir={out / 'torchrun'}",  # its log folder, else a torchelastic_* left in /tmp by every probe
         str(_THIS), "--out", str(out), "--steps", str(steps),
         *[x for c in configs for x in ("--config", str(c))], "--", str(script), *args,
     ]  # fmt: skip
