@@ -90,15 +90,23 @@ def trial(script: Path, args: Sequence[str], tmp: Path, knobs: Mapping[str, Any]
     """The result of one trial (``AUTOTUNE_TRIAL``) of a patched ``script`` run in ``tmp``, under ``knobs`` if given."""
     import json
     import os
+    import shutil
+    import tempfile
 
     spec, result = tmp / "spec.json", tmp / "result.json"
-    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
+    # multiprocessing's folder for the run's processes, removed after it as the search's runner does (a trial ends
+    # by os._exit: its DataLoader workers' pymp-* folders were left in /tmp); short, as a socket's path must be
+    mp_tempdir = tempfile.mkdtemp(prefix="t")
+    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result), "mp_tempdir": mp_tempdir}))
     env = {**os.environ, "AUTOTUNE_TRIAL": str(spec)}
     env.pop("AUTOTUNE_CONFIG", None)
     if knobs is not None:
         config = tmp / "config.yaml"
         config.write_text(yaml.safe_dump({"device": "cpu", "knobs": dict(knobs)}))
         env["AUTOTUNE_CONFIG"] = str(config)
-    _, output = run_script(script, args, env=env, cwd=tmp, timeout=TIMEOUT)
+    try:
+        _, output = run_script(script, args, env=env, cwd=tmp, timeout=TIMEOUT)
+    finally:
+        shutil.rmtree(mp_tempdir, ignore_errors=True)
     assert result.exists(), output[-3000:]
     return json.loads(result.read_text())
