@@ -107,8 +107,9 @@ def launcher_logs(tdir: Path, launcher: Sequence[str], log_dir: str | None) -> l
             path = Path(f.read_text(encoding="utf-8"))
         except OSError:
             continue
-        if path.is_relative_to(base) and path != base and path.relative_to(base).parts[0].startswith("torchelastic_"):
-            found.add(base / path.relative_to(base).parts[0])
+        first = path.relative_to(base).parts[:1] if path.is_relative_to(base) else ()
+        if first and first[0].startswith("torchelastic_"):
+            found.add(base / first[0])
     return sorted(found)
 
 
