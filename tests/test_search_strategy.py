@@ -1358,8 +1358,8 @@ def test_the_run_length_a_trial_reads_ranks_by_the_whole_run_and_compile_stays_o
         assert not whole
         assert re.fullmatch(
             rf"steady state \d+\.\d\dx; your {run_steps}-step run \d+\.\ds -> \d+\.\ds of training \(\d+\.\d\dx, one-time "
-            r"start-up included, predicted from the A/B pairs; whole runs not measured: 3 pairs of whole runs would take "
-            r"about \d+m\d\ds, more than 50% of the time budget\)",
+            r"start-up included, predicted from the A/B pairs; whole runs not measured: one pair of whole runs would "
+            r"take about \d+h?\d+m\d\ds, more than 50% of the time budget\)",
             out.whole_run), out.whole_run
 
 
@@ -1372,6 +1372,31 @@ def _length_search(tmp_path, monkeypatch, after=None, **options):
         runner.after = after
     search.runner_factory = lambda *a, **k: runner
     return search, runner
+
+
+@pytest.mark.parametrize("run_steps, pairs", [(400, 2), (800, 1)])
+def test_a_run_too_long_for_three_whole_pairs_is_measured_in_those_that_fit(run_steps, pairs, tmp_path, monkeypatch):
+    """A baseline run to the end takes 3 s + 0.5 s a step: 400 steps leave room in half of 1500 s for 2 pairs with the
+    winner's, 800 steps for 1; the verdict says it measured the run whole in those pairs, and why not in 3."""
+    search, runner = _length_search(tmp_path, monkeypatch)
+    runner.run_steps = run_steps
+    out = search.run()
+    assert out.winner is not None
+    whole = [(r.attrs["pair"], r.attrs["arm"]) for r in out.results if r.role == "whole"]
+    assert whole == [(0, "baseline"), (0, "candidate"), (1, "candidate"), (1, "baseline")][:2 * pairs]
+    assert re.fullmatch(
+        rf"steady state \d+\.\d\dx; your {run_steps}-step run measured whole \(process start to exit, {pairs} A/B "
+        rf"pairs?\): \d+\.\ds -> \d+\.\ds \(\d\.\d\dx(, \d\.\d\dx to \d\.\d\dx)?\); {pairs} of the 3 pairs asked: 3 "
+        r"would take about \d+m\d\ds, more than 50% of the time budget", out.whole_run), out.whole_run
+    assert out.wall_s <= 1500 * 1.05
+
+    from autotune.search.from_study import study_outcome
+    from autotune.search.live import QuietDisplay
+    from autotune.search.search import Search
+
+    again = study_outcome(Search(search.o, QuietDisplay()), search.store)  # autotune report: the same measurement
+    measured = out.whole_run.split("; ")[1]
+    assert again.whole_run.split("; ")[1:] == [measured, f"{pairs} of the 3 pairs asked"], again.whole_run
 
 
 def test_a_winner_whose_whole_run_is_slower_is_not_kept(tmp_path, monkeypatch):

@@ -186,8 +186,7 @@ class Costs:
         if not steps or found is None or not found.measured:
             return 0.0
         base = predicted_whole(found, steps)
-        need, _ = plan_whole(self.s, base, base + max(cost - self.baseline_cost(), 0.0))
-        return need or 0.0
+        return plan_whole(self.s, base, base + max(cost - self.baseline_cost(), 0.0)).seconds or 0.0
 
     def pairs_kept(self) -> int:
         """The A/B pairs the time set aside for confirmation covers: --confirm; on a machine whose baseline runs

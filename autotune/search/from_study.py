@@ -75,7 +75,9 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
         if config is not None:  # (a pair stopped before its candidate ran confirms nothing)
             c = s.verdict_of(dict(config), got, None, speeds.get(key), machine)
             runs = whole_arms(s.results, key, machine)
-            confirmations.append(kept(c, judge_whole(runs, s.train_steps)) if runs else c)
+            ran = len({j for j, _ in runs})
+            fewer = f"{ran} of the {s.o.whole_runs} pairs asked" if 0 < ran < s.o.whole_runs else None
+            confirmations.append(kept(c, judge_whole(runs, s.train_steps, fewer)) if runs else c)
     accepted = [c for c in confirmations if c.accepted]
     winner = max(accepted, key=lambda c: c.speedup) if accepted else None
     if winner:

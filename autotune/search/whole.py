@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.search.budget import RUN_MARGIN
@@ -71,20 +71,36 @@ def predicted(r: TrialResult, steps: int) -> float:
     return r.wall_s + max(steps - r.steps_done, 0) * (r.step_time or 0.0)
 
 
-def plan(search: Confirming, base_s: float | None, cand_s: float | None) -> tuple[float | None, str | None]:
-    """(seconds the whole-run pairs are expected to take, each baseline run ``base_s`` and each candidate run
-    ``cand_s``, else None; why none run, where a reason deserves saying)."""
+@dataclass(frozen=True)
+class Plan:
+    """The whole-run pairs the budget covers: how many, the seconds they are expected to take, and what was cut."""
+
+    pairs: int = 0
+    seconds: float | None = None
+    note: str | None = None  # why none run, or why fewer than asked, where a reason deserves saying
+
+
+def plan(search: Confirming, base_s: float | None, cand_s: float | None) -> Plan:
+    """The whole-run pairs to run, each baseline run expected to take ``base_s`` and each candidate run ``cand_s``:
+    as many of the --whole-runs asked as fit in BUDGET_SHARE of the time budget. A run too long for three pairs is
+    still measured where one fits: makemore's 5000-step run (30 s) had three pairs cut by a 300 s budget, and its
+    prediction said 1.33x where its whole runs, start to exit, gave 1.13x (inductor's start-up and teardown, the
+    evaluations between windows)."""
     s = search
     if not s.o.whole_runs or not s.train_steps or base_s is None or cand_s is None:
-        return None, None
+        return Plan()
     if s.o.train_steps:
-        return None, (f"--train-steps {s.o.train_steps} sets the run's length, so the script's own whole run is not "
-                      "the run it means")
-    need = s.o.whole_runs * (base_s + cand_s)
-    if s.o.budget and need > BUDGET_SHARE * s.o.budget:
-        return None, (f"{s.o.whole_runs} pairs of whole runs would take about {duration(need)}, more than "
-                      f"{BUDGET_SHARE:.0%} of the time budget")
-    return need, None
+        return Plan(note=(f"--train-steps {s.o.train_steps} sets the run's length, so the script's own whole run is "
+                          "not the run it means"))
+    pair, asked = base_s + cand_s, s.o.whole_runs
+    fit = min(asked, int(BUDGET_SHARE * s.o.budget // pair)) if s.o.budget else asked
+    if fit == asked:
+        return Plan(asked, asked * pair)
+    share = f"more than {BUDGET_SHARE:.0%} of the time budget"
+    if fit < 1:
+        return Plan(note=f"one pair of whole runs would take about {duration(pair)}, {share}")
+    return Plan(fit, fit * pair, f"{fit} of the {asked} pairs asked: {asked} would take about {duration(asked * pair)}, "
+                                 f"{share}")
 
 
 def measure(search: Confirming, c: Confirmation) -> Confirmation:
@@ -94,16 +110,17 @@ def measure(search: Confirming, c: Confirmation) -> Confirmation:
     steps = s.train_steps
     base = [predicted(r, steps) for r in c.baseline if r.measured] if steps else []
     cand = [predicted(r, steps) for r in c.candidate if r.measured] if steps else []
-    need, why = plan(s, statistics.median(base) if base else None, statistics.median(cand) if cand else None)
-    if need is None:
-        return replace(c, whole=WholeRuns(s.train_steps, skipped=why)) if why else c
+    p = plan(s, statistics.median(base) if base else None, statistics.median(cand) if cand else None)
+    if not p.pairs or p.seconds is None:
+        return replace(c, whole=WholeRuns(s.train_steps, skipped=p.note)) if p.note else c
     key, me = config_key(c.config), s.machine.key
-    s.display.note(f"your whole run: {s.o.whole_runs} A/B pairs of whole runs (process start to exit, your "
-                   f"arguments), about {duration(need)}")
+    s.display.note(f"your whole run: {p.pairs} A/B pair{'s' if p.pairs != 1 else ''} of whole runs (process start to "
+                   f"exit, your arguments), about {duration(p.seconds)}")
     # once a candidate run fails (the tuned script's run would), no more pairs are needed to say so
-    stopped = run_pairs(s, ROLE_WHOLE, key, {"baseline": s.space.baseline(), "candidate": c.config}, s.o.whole_runs,
-                        need / s.o.whole_runs, lambda got: judge(got, steps).failed is not None)
-    return kept(c, judge(arms(s.results, key, me), s.train_steps, stopped))
+    stopped = run_pairs(s, ROLE_WHOLE, key, {"baseline": s.space.baseline(), "candidate": c.config}, p.pairs,
+                        p.seconds / p.pairs, lambda got: judge(got, steps).failed is not None)
+    why = "; ".join(x for x in (p.note, stopped) if x) or None
+    return kept(c, judge(arms(s.results, key, me), s.train_steps, why))
 
 
 def run_pairs(
