@@ -1359,7 +1359,7 @@ def test_the_run_length_a_trial_reads_ranks_by_the_whole_run_and_compile_stays_o
         assert re.fullmatch(
             rf"steady state \d+\.\d\dx; your {run_steps}-step run \d+\.\ds -> \d+\.\ds of training \(\d+\.\d\dx, one-time "
             r"start-up included, predicted from the A/B pairs; whole runs not measured: one pair of whole runs would "
-            r"take about \d+h?\d+m\d\ds, more than 50% of the time budget\)",
+            r"take about \d+m\d\ds, more than 50% of the time budget\)",
             out.whole_run), out.whole_run
 
 
