@@ -1058,6 +1058,37 @@ def test_a_confirmation_settles_when_clear_of_one_or_a_tie(candidate, settled, t
     assert search.verdict_of({}, _pairs(*[(1.0, s) for s in candidate]), None, None, "m").settled is settled
 
 
+class SeesawRunner(FakeRunner):
+    """The candidates' confirmation runs are 0.8 of the baseline's step time in even pairs and 1.25 in odd ones: a
+    median at 1.0 whose interval straddles it by more than a tie, however many pairs run."""
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):
+        r = super().run(config, role, timeout, on_start, attrs)
+        if role == "confirm" and attrs["arm"] == "candidate":
+            r = r.with_(step_times=(self.base_step * (0.8 if attrs["pair"] % 2 == 0 else 1.25),) * len(r.step_times))
+        return r
+
+
+def test_a_confirmation_stops_once_no_more_pairs_could_make_it_faster(tmp_path, monkeypatch):
+    """Up to 15 pairs may run while the interval holds 1.0, and the sign test says faster in 15 only with at most 3
+    going the baseline's way: at the 4th, in pair 8, more pairs are spent on nothing, and the confirmation stops
+    saying so (it ran all 15 before)."""
+    from autotune.search.confirm import futile, most_slower
+
+    assert [most_slower(n) for n in (4, 5, 8, 15)] == [-1, 0, 1, 3]
+    assert futile((1.25, 0.8) * 3, 9) is None  # 3 of 6 slower, 15 allow 3: some 9 more could still do it
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=900.0)
+    search.runner_factory = lambda *a, **k: SeesawRunner(clock)
+    out = search.run()
+    assert out.winner is None and out.confirmations
+    first = out.confirmations[0]
+    assert len(first.ratios) == 8 and sum(r <= 1.0 for r in first.ratios) == 4
+    assert first.reason.endswith("; more pairs could not make it faster by the sign test: 4 of 8 went the "
+                                 "baseline's way, and 15 pairs allow at most 3"), first.reason
+    assert first.reason.startswith("not shown faster (")
+
+
 def test_a_configuration_is_affordable_only_where_its_own_confirmation_fits_too(tmp_path, monkeypatch):
     """Should it become the best, a configuration is confirmed in its own A/B pairs: a compiling one costs more to
     confirm than a plain best so far (makemore: a compiling configuration tried with 44 s left won, and its
