@@ -1354,6 +1354,9 @@ class LengthRunner(FakeRunner):
                 self.clock.now += rest
                 return r.with_(status=Outcome.CRASH, error="exit status 1 after the measured steps: RuntimeError: "
                                "recompile failed", wall_s=r.wall_s + rest)
+            if r.wall_s + rest + after > timeout:  # stopped at its timeout, as the runner stops a process
+                self.clock.now += timeout - r.wall_s
+                return r.with_(status=Outcome.TIMEOUT, error="timed out", wall_s=timeout)
             self.clock.now += rest + after
             r = r.with_(wall_s=r.wall_s + rest + after)
         return r
@@ -1428,6 +1431,20 @@ def test_a_run_too_long_for_three_whole_pairs_is_measured_in_those_that_fit(run_
     again = study_outcome(Search(search.o, QuietDisplay()), search.store)  # autotune report: the same measurement
     measured = out.whole_run.split("; ")[1]
     assert again.whole_run.split("; ")[1:] == [measured, f"{pairs} of the 3 pairs asked"], again.whole_run
+
+
+@pytest.mark.parametrize("budget, pairs", [(600, 1), (700, 2)])
+def test_whole_runs_longer_than_planned_start_only_where_they_can_finish(budget, pairs, tmp_path, monkeypatch):
+    """Each whole run evaluates for 60 s after its steps, which no trial sees: planned at about 40 s a pair, a pair
+    takes 155 s. After the first pair the next starts only where the longest measured pair fits: no whole run is cut
+    by the budget's end (at 700 s the third pair's second run was), and the search ends within the budget."""
+    search, runner = _length_search(tmp_path, monkeypatch, after=lambda c: 60.0, time_budget=budget)
+    out = search.run()
+    assert out.winner is not None
+    whole = [r.status.value for r in out.results if r.role == "whole"]
+    assert whole == ["ok"] * 2 * pairs
+    assert out.wall_s <= budget * 1.05
+    assert out.whole_run.endswith(f"the time budget ran out after {pairs} of 3 pairs"), out.whole_run
 
 
 def test_a_winner_whose_whole_run_is_slower_is_not_kept(tmp_path, monkeypatch):
@@ -1557,8 +1574,20 @@ def test_the_cache_saving_pairs_stop_where_the_budget_ends_and_say_so(tmp_path, 
     def late(s, winner):  # the time left covers one pair's runs, not two
         walls = [r.wall_s for r in winner.candidate if r.measured]
         s.hard_end = s.clock() + 1.3 * 4 * max(walls)
+        slow[0] = 1.5 * max(walls)
         return measure(s, winner)
 
+    slow = [0.0]  # a run from empty compiler caches takes this much longer than a warm one (headers rebuilt), so a
+    run = runner.run  # pair takes about the 4 warm runs planned for it: the next one would not fit
+
+    def cold(config, role, timeout, *args, **kwargs):
+        r = run(config, role, timeout, *args, **kwargs)
+        if role != "cache":
+            return r
+        runner.clock.now += slow[0]
+        return r.with_(wall_s=r.wall_s + slow[0])
+
+    runner.run = cold
     monkeypatch.setattr("autotune.search.search.measure_saving", late)
     out = search.run()
     assert [(j, arm) for j, arm, _ in runner.loaded] == [(0, "without"), (0, "with")]
