@@ -93,7 +93,7 @@ def plan(search: Confirming, base_s: float | None, cand_s: float | None) -> Plan
         return Plan(note=(f"--train-steps {s.o.train_steps} sets the run's length, so the script's own whole run is "
                           "not the run it means"))
     pair, asked = base_s + cand_s, s.o.whole_runs
-    fit = min(asked, int(BUDGET_SHARE * s.o.budget // pair)) if s.o.budget else asked
+    fit = min(asked, int(BUDGET_SHARE * s.o.budget // pair)) if s.o.budget and pair > 0 else asked
     if fit == asked:
         return Plan(asked, asked * pair)
     share = f"more than {BUDGET_SHARE:.0%} of the time budget"
