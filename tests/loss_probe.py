@@ -23,9 +23,9 @@ a private ``BaseException`` subclass (not an ``Exception``, so a script's
 ``except Exception:`` cannot swallow it), which stops the script. The result
 file then holds exactly N losses.
 
-Each probe is a process of its own, forked from a *zygote*: a process that imported torch, and the frameworks the
-script imports (transformers, lightning, accelerate), once (about 1 s and 3-5 s that every probe paid again when
-each was a fresh ``python``), in the probe's environment but for the variables read only while a script runs
+Each probe is a process of its own, forked from a *zygote*: a process that imported torch, ``torch._dynamo`` (which
+a script's first optimizer imports), and the frameworks the script imports (transformers, lightning, accelerate),
+once (about 1 s, 1.3 s and 3-5 s that every probe paid again when each was a fresh ``python``), in the probe's environment but for the variables read only while a script runs
 (``AUTOTUNE_*``, pytest's own): a few are kept per test worker, one per environment and set of frameworks. A forked
 probe starts as a fresh one would: its own session, working directory, environment, standard streams and random
 seeds, nothing run yet. A script that writes ``os.environ`` (which a script may do before it imports torch: the
@@ -463,6 +463,9 @@ def _zygote_main(path: str, preload: list[str]) -> int:
     import importlib
 
     import torch  # noqa: F401 - the point of the zygote: every probe forked from here finds it imported
+    # and what a script's first optimizer imports (torch.optim's functions are wrapped to keep dynamo out of them,
+    # which imports torch._dynamo on the first call): 1.3-1.7 s of every probe's 1.5 s on this machine
+    import torch._dynamo  # noqa: F401
 
     for name in preload:
         importlib.import_module(name)

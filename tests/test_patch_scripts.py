@@ -6,8 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 import tokenize
 from collections import Counter
 from pathlib import Path
@@ -18,7 +16,7 @@ import yaml
 from autotune.project import load_project
 from autotune.patch import run, select, write_outputs
 from autotune.transform import Status
-from loss_probe import run_probe
+from loss_probe import run_probe, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(
@@ -124,8 +122,8 @@ def _trial(script: Path, args, tmp_path: Path, warmup: int, steps: int) -> dict:
     spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
     env = {**os.environ, "AUTOTUNE_TRIAL": str(spec)}
     env.pop("AUTOTUNE_CONFIG", None)
-    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.exists(), proc.stderr[-2000:]
+    _, output = run_script(script, args, env=env, cwd=REPO, timeout=300)
+    assert result.exists(), output[-2000:]
     return json.loads(result.read_text())
 
 
