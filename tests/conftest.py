@@ -12,6 +12,28 @@ import pytest
 # tests/test_transform_autocast.py, 107 s on two threads, 93 s on one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _unsynced_sqlite_commits() -> None:
+    """The searches this process runs itself (fake runners) commit to SQLite without waiting for the disk.
+
+    A search commits 20-30 times a trial (Optuna writes each parameter and attribute in its own transaction), and
+    SQLite's default waits for two fsyncs each: a third of tests/test_search_strategy.py's time here. Unsynced
+    commits are still safe if the process dies (SQLite's documentation: only an OS crash can lose or corrupt them),
+    and the searches run as commands, whose interruption and resumption the tests check, keep SQLite's defaults.
+    """
+    import sqlite3
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    @event.listens_for(Engine, "connect")
+    def _no_sync(connection, _record):
+        if isinstance(connection, sqlite3.Connection):
+            connection.execute("PRAGMA synchronous=OFF")
+
+
+_unsynced_sqlite_commits()
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
