@@ -18,6 +18,10 @@ From Python (tests)::
     from dist_probe import run_dist_probe
     runs = run_dist_probe(script, [cfg_off, cfg_on], steps=8, nproc=2, out=tmp_path)  # runs[rank][config]
 
+``scripts`` runs config i with script i instead (``--pair CONFIG SCRIPT`` on the command line; torchrun would take
+``--run`` for its ``--run-path``): a patched script and the baked ones in one launch, where each launch is three
+fresh processes that import torch.
+
 The launcher's output is kept in ``DIR/output.txt``.
 """
 
@@ -50,8 +54,10 @@ def run_dist_probe(
     args: list[str] | tuple[str, ...] = (),
     env: dict[str, str | None] | None = None,
     timeout: float = 240,
+    scripts: list[Path] | None = None,
 ) -> list[list[dict]]:
-    """Run the probe under ``torch.distributed.run`` with ``nproc`` ranks; ``result[rank][i]`` is config i's run."""
+    """Run the probe under ``torch.distributed.run`` with ``nproc`` ranks; ``result[rank][i]`` is config i's run (of
+    ``scripts[i]`` where given, else of ``script``)."""
     full_env = dict(os.environ)
     full_env["OMP_NUM_THREADS"] = "1"
     full_env.pop("AUTOTUNE_TRIAL", None)
@@ -65,7 +71,9 @@ def run_dist_probe(
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         f"--log-dir={out / 'torchrun'}",  # its log folder, else a torchelastic_* left in /tmp by every probe
         str(_THIS), "--out", str(out), "--steps", str(steps),
-        *[x for c in configs for x in ("--config", str(c))], "--", str(script), *args,
+        *([x for c, one in zip(configs, scripts, strict=True) for x in ("--pair", str(c), str(one))] if scripts
+          else [x for c in configs for x in ("--config", str(c))]),
+        "--", str(script), *args,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, env=full_env, cwd=script.parent, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
@@ -148,17 +156,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dist_probe.py")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--config", action="append", required=True)
+    parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--pair", nargs=2, action="append", default=[], metavar=("CONFIG", "SCRIPT"),
+                        help="a config and the script it runs (instead of the one after --)")
     parser.add_argument("--watchdog", type=float, default=180, help="seconds before a hung rank prints its stack and exits")
     opts = parser.parse_args(argv[:cut])
-    faulthandler.dump_traceback_later(opts.watchdog, exit=True)  # a hang fails the test with a stack, not a timeout
     script, script_args = argv[cut + 1], argv[cut + 2 :]
-    sys.path.insert(0, str(Path(script).resolve().parent))
+    plan = [(config, script) for config in opts.config] + [tuple(run) for run in opts.pair]
+    if not plan:
+        parser.error("give --config or --pair")
     inherited = {k: os.environ[k] for k in ENV_RECORDED if k in os.environ}
     runs = []
-    for i, config in enumerate(opts.config):
+    for i, (config, one) in enumerate(plan):
+        # a hang fails the test with a stack, not a timeout (the clock starts again for each run)
+        faulthandler.dump_traceback_later(opts.watchdog, exit=True)
+        folder = str(Path(one).resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         os.environ.update(inherited)
-        runs.append(_run_once(script, script_args, opts.steps, config, last=i == len(opts.config) - 1))
+        runs.append(_run_once(one, script_args, opts.steps, config, last=i == len(plan) - 1))
     rank = int(os.environ.get("RANK", 0))
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     Path(opts.out, f"rank{rank}.json").write_text(json.dumps({"runs": runs}), encoding="utf-8")

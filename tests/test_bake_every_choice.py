@@ -173,15 +173,19 @@ def _baked_knobs(script: Path, config: dict) -> set[str]:
     "script, rounds", [pytest.param(s, rounds, id=_id(s)) for s, _, ranks, rounds in PLAN if ranks > 1]
 )
 def test_distributed_baked_trains_like_patched_at_every_choice(script, rounds, tmp_path):
-    """One launch runs the patched script at every round's config; each baked round is a launch of its own."""
-    write_outputs(run(load_project(script), select()), tmp_path / "patched", script.name)
-    configs = [_config(tmp_path / f"round{i}.yaml", config) for i, config in enumerate(rounds)]
-    gated = run_dist_probe(tmp_path / "patched" / script.name, configs, steps=STEPS, out=tmp_path / "gated")
+    """One launch runs the patched script at every round's config, each followed by the round's baked script (a
+    launch is three processes that import torch: one a round took this test 15-35 s a fixture)."""
+    patched = tmp_path / "patched" / script.name
+    write_outputs(run(load_project(script), select()), patched.parent, script.name)
     none = _config(tmp_path / "none.yaml", {})
+    configs, scripts = [], []
     for i, config in enumerate(rounds):
-        entry = _write_baked(script, config, tmp_path / f"baked{i}")
-        plain = run_dist_probe(entry, [none], steps=STEPS, out=tmp_path / f"plain{i}")
+        configs += [_config(tmp_path / f"round{i}.yaml", config), none]
+        scripts += [patched, _write_baked(script, config, tmp_path / f"baked{i}")]
+    ran = run_dist_probe(patched, configs, steps=STEPS, out=tmp_path / "runs", scripts=scripts)
+    for i, config in enumerate(rounds):
         for rank in range(2):
-            assert gated[rank][i]["ended"] == plain[rank][0]["ended"] == "steps"
-            assert plain[rank][0]["losses"] == gated[rank][i]["losses"], config
-            assert plain[rank][0]["grads"] == gated[rank][i]["grads"], config
+            gated, plain = ran[rank][2 * i], ran[rank][2 * i + 1]
+            assert gated["ended"] == plain["ended"] == "steps"
+            assert plain["losses"] == gated["losses"], config
+            assert plain["grads"] == gated["grads"], config
