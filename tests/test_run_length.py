@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.patch import run
+from transform_cases import trial
+
+from autotune.patch import run, write_outputs
 from autotune.project import load_project
 from autotune.search.trial import Outcome, Runner, TrialSettings
 
@@ -337,9 +339,22 @@ def _trial(tmp_path: Path, body: str):
 ], ids=["nested", "accumulated", "trainer", "while", "until", "until-unbounded", "nanogpt", "while-counted",
         "capped", "capped-off", "capped-past", "capped-first", "dry-run-off", "dry-run", "config-dict", "config-cap"])
 def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, said, tmp_path):
-    result = _trial(tmp_path, body)
+    # what the patched script's runtime reads, in a trial forked from the probes' zygote (a fresh process imports
+    # torch for 3 s here); the search's runner carries it into its result, below
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(body))
+    write_outputs(run(load_project(script)), tmp_path / "patched", script.name)
+    result = trial(tmp_path / "patched" / script.name, (), tmp_path, warmup=1, steps=2)
+    assert result["status"] == "ok", result["error"]
+    assert (result["run_steps"], result["run_steps_from"]) == (steps, said)
+
+
+def test_the_runners_result_carries_the_runs_length_as_the_trial_read_it(tmp_path):
+    result = _trial(tmp_path, ACCUMULATED)
     assert result.status is Outcome.OK, result.stderr_tail
-    assert (result.run_steps, result.run_steps_from) == (steps, said)
+    assert (result.run_steps, result.run_steps_from) == (
+        9, "range(1, epochs + 1) 3 x len(loader) 12, 4 iterations a step, read as the loops started")
 
 
 AFTER = NESTED + '''
