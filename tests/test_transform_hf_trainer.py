@@ -276,8 +276,9 @@ def test_the_batch_split_leaves_a_model_with_dropout_as_it_is(tmp_path):
 
 def test_search_on_a_trainer_script_ends_with_a_verdict(tmp_path, capsys):
     out = tmp_path / "search"
+    # no whole runs: each run imports transformers (4-5 s here), and tests/test_search.py measures whole runs
     code = main(["search", str(case("hf_trainer", "plain")), "--out", str(out), "--trials", "2", "--steps", "4",
-                 "--warmup", "2", "--confirm", "5", "--", "--steps", "40"])
+                 "--warmup", "2", "--confirm", "5", "--whole-runs", "0", "--", "--steps", "40"])
     assert code == 0, capsys.readouterr().err
     doc = yaml.safe_load((out / "autotune.yaml").read_text())
     assert doc["throughput"]["baseline"]["steps_per_s"] > 0 and doc["verdict"]
