@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from loss_probe import run_script
 
 from autotune import runtime
 from autotune.project import load_project
@@ -94,8 +93,8 @@ def test_trial_result_says_whether_channels_last_reached_the_model(tmp_path, arc
     spec, result = tmp_path / "spec.json", tmp_path / "result.json"
     spec.write_text(json.dumps({"warmup": 1, "steps": 2, "result": str(result)}))
     env = {**os.environ, runtime.CONFIG_ENV: str(tmp_path / "config.yaml"), runtime.TRIAL_ENV: str(spec)}
-    done = subprocess.run([sys.executable, str(script), "--arch", arch], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    rc, output = run_script(script, ["--arch", arch], env=env, cwd=tmp_path, timeout=120)
+    assert rc == 0, output[-2000:]
     r = json.loads(result.read_text())
     assert r["status"] == "ok"
     assert r["applied"] == (["channels_last.enabled"] if reached else [])

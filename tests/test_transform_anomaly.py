@@ -3,11 +3,11 @@ stay; off, the script trains to the same losses."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 
 import pytest
 import yaml
+from loss_probe import run_script
 from transform_cases import FIXTURES, baked, losses, original, patched, sites
 
 from autotune.transform import Status
@@ -44,11 +44,11 @@ def test_the_knob_decides_whether_autograd_checks(value, tmp_path):
     )
     (tmp_path / "train.py").write_text(text)
     (tmp_path / "k.yaml").write_text(yaml.safe_dump({"device": "cpu", "knobs": {"anomaly.detect": value}}))
-    env = {"PATH": "/usr/bin:/bin", "AUTOTUNE_CONFIG": str(tmp_path / "k.yaml")}
-    done = subprocess.run([sys.executable, "train.py", "--steps", "1"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
-    assert f"anomaly {value}\n" in done.stdout
+    env = {**os.environ, "AUTOTUNE_CONFIG": str(tmp_path / "k.yaml")}
+    env.pop("AUTOTUNE_TRIAL", None)
+    rc, output = run_script(tmp_path / "train.py", ["--steps", "1"], env=env, cwd=tmp_path, timeout=240)
+    assert rc == 0, output
+    assert f"anomaly {value}\n" in output
 
 
 def test_off_trains_to_the_same_losses(tmp_path):

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from loss_probe import run_probe
+from loss_probe import run_probe, run_script
 
 from autotune import runtime, runtime_helpers
 from autotune.project import load_project
@@ -331,10 +329,9 @@ def test_where_fp16_scaling_has_no_safe_place_bf16_alone_is_offered(tmp_path):
     (tmp_path / "fp16.yaml").write_text(yaml.safe_dump({"device": "cpu", "knobs": {"autocast.dtype": "fp16"}}))
     env = {**os.environ, "AUTOTUNE_CONFIG": str(tmp_path / "fp16.yaml"), "OMP_NUM_THREADS": "1"}
     env.pop("AUTOTUNE_TRIAL", None)
-    ran = subprocess.run([sys.executable, "train.py", "--epochs", "1"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=240)
-    assert ran.returncode == 1 and "Traceback" not in ran.stderr
-    assert "autocast.dtype=fp16 is not offered for this script (bf16 only" in ran.stderr
+    rc, output = run_script(tmp_path / "train.py", ["--epochs", "1"], env=env, cwd=tmp_path, timeout=240)
+    assert rc == 1 and "Traceback" not in output
+    assert "autocast.dtype=fp16 is not offered for this script (bf16 only" in output
     assert _text("optimizer_on_one_path", "fp16") == _case("optimizer_on_one_path").read_text()  # bake: no change
 
 

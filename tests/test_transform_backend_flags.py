@@ -175,8 +175,8 @@ def test_default_gives_the_original_losses(tmp_path):
 )
 def test_a_switched_off_flag_leaves_the_knob_and_the_switch_turned_on_wins(tmp_path, knob, flag, expected):
     import os
-    import subprocess
-    import sys
+
+    from loss_probe import run_script
 
     config = tmp_path / "knobs.yaml"
     config.write_text(yaml.safe_dump({"device": "cpu", "knobs": {f"{T}.matmul_precision": knob}}))
@@ -186,10 +186,9 @@ def test_a_switched_off_flag_leaves_the_knob_and_the_switch_turned_on_wins(tmp_p
         script.write_text(text)
         env = {**os.environ, "AUTOTUNE_CONFIG": str(config)} if form == "patched" else dict(os.environ)
         env.pop("AUTOTUNE_TRIAL", None)
-        ran = subprocess.run([sys.executable, script, "--tensorcores", flag, "--steps", "1"], env=env,
-                             capture_output=True, text=True, timeout=120)
-        assert ran.returncode == 0, ran.stderr
-        assert ran.stdout.strip().endswith(f"matmul precision: {expected}"), (form, ran.stdout)
+        rc, output = run_script(script, ["--tensorcores", flag, "--steps", "1"], env=env, cwd=tmp_path, timeout=120)
+        assert rc == 0, output
+        assert output.strip().endswith(f"matmul precision: {expected}"), (form, output)
 
 
 @pytest.mark.parametrize("precision", ["medium", pytest.param("high", marks=pytest.mark.slow)])
