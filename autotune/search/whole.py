@@ -140,10 +140,10 @@ def run_pairs(
         got = confirm_arms(s.results, key, me, role)
         took = [sum(got[(i, arm)].wall_s or 0.0 for arm in names) for i in range(j)
                 if all((i, arm) in got for arm in names)]
-        need = RUN_MARGIN * max(took, default=pair_s)
-        if s.clock() + need > s.hard_end:
+        need, left = RUN_MARGIN * max(took, default=pair_s), s.hard_end - s.clock()
+        if need > left:
             return (f"the time budget ran out after {j} of {pairs} pairs (another needs about {duration(need)}, "
-                    f"{duration(s.hard_end - s.clock())} left)")
+                    f"{duration(left)} left)")
         for arm in names if j % 2 == 0 else names[::-1]:
             s.refresh()
             what = claim_key(role, me, key, j, arm)
