@@ -25,12 +25,12 @@ file then holds exactly N losses.
 
 Each probe is a process of its own, forked from a *zygote*: a process that imported torch, ``torch._dynamo`` (which
 a script's first optimizer imports), and the frameworks the script imports (transformers, lightning, accelerate),
-once (about 1 s, 1.3 s and 3-5 s that every probe paid again when each was a fresh ``python``), in the probe's environment but for the variables read only while a script runs
-(``AUTOTUNE_*``, pytest's own): a few are kept per test worker, one per environment and set of frameworks. A forked
-probe starts as a fresh one would: its own session, working directory, environment, standard streams and random
-seeds, nothing run yet. A script that writes ``os.environ`` (which a script may do before it imports torch: the
-probe imports torch before the script anyway, ``run_script`` does not) runs as a fresh ``python``, as every run does
-with ``LOSS_PROBE_FRESH=1``.
+once (about 1 s, 1.3 s and 3-5 s that every probe paid again when each was a fresh ``python``), in the probe's
+environment but for the variables read only while a script runs (``AUTOTUNE_*``, pytest's own): a few are kept per
+test worker, one per environment and set of frameworks. A forked probe starts as a fresh one would: its own session,
+working directory, environment, standard streams and random seeds, nothing run yet. A script that writes
+``os.environ`` (which a script may do before it imports torch: the probe imports torch before the script anyway,
+``run_script`` does not) runs as a fresh ``python``, as every run does with ``LOSS_PROBE_FRESH=1``.
 
 Things to keep in mind when comparing runs:
 

@@ -4,8 +4,6 @@ comments kept, and the knob table lists exactly the injected knobs."""
 from __future__ import annotations
 
 import io
-import json
-import os
 import tokenize
 from collections import Counter
 from pathlib import Path
@@ -16,7 +14,8 @@ import yaml
 from autotune.project import load_project
 from autotune.patch import run, select, write_outputs
 from autotune.transform import Status
-from loss_probe import run_probe, run_script
+from loss_probe import run_probe
+from transform_cases import trial
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(
@@ -117,21 +116,11 @@ ONE_BACKWARD_PER_STEP = {
 HOOK_CASES = [(name, args, factor) for name, runs in ONE_BACKWARD_PER_STEP.items() for args, factor in runs]
 
 
-def _trial(script: Path, args, tmp_path: Path, warmup: int, steps: int) -> dict:
-    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
-    spec.write_text(json.dumps({"warmup": warmup, "steps": steps, "result": str(result)}))
-    env = {**os.environ, "AUTOTUNE_TRIAL": str(spec)}
-    env.pop("AUTOTUNE_CONFIG", None)
-    _, output = run_script(script, args, env=env, cwd=REPO, timeout=300)
-    assert result.exists(), output[-2000:]
-    return json.loads(result.read_text())
-
-
 @pytest.mark.parametrize(("name", "args", "factor"), HOOK_CASES, ids=[f"{n}{''.join(a)}" for n, a, _ in HOOK_CASES])
 def test_step_hook_fires_once_per_step_on_the_path_that_runs(name: str, args, factor: float, patched, tmp_path: Path):
     script = REPO / "fixtures/scripts" / name
     original = run_probe(script, list(args), steps=STEPS, out=tmp_path / "orig.json", cwd=REPO)
-    result = _trial(patched[script], args, tmp_path, warmup=1, steps=STEPS - 1)
+    result = trial(patched[script], args, tmp_path, warmup=1, steps=STEPS - 1)
     assert result["status"] == "ok" and result["steps_done"] == STEPS, result["error"]
     # one hook per step, each after that step's backward(): the k-th trial loss is the k-th loss backward() saw
     assert [[v * factor] for (v,) in result["losses"]] == [[float.fromhex(h)] for h in original]
@@ -145,7 +134,7 @@ def test_a_training_managers_step_shared_by_a_warm_up_loop_counts_each_step_once
     text = patched[script].read_text()
     assert text.count("_autotune.step()") == 1 and text.count("_autotune.accumulate(loss)") == 2
     seen = [float.fromhex(h) for h in run_probe(script, [], steps=7, out=tmp_path / "orig.json", cwd=REPO)]
-    result = _trial(patched[script], (), tmp_path, warmup=1, steps=4)
+    result = trial(patched[script], (), tmp_path, warmup=1, steps=4)
     assert result["status"] == "ok" and result["steps_done"] == 5, result["error"]
     # three warm-up steps of one backward() each, then training steps of two micro-batches
     expected = [seen[0], seen[1], seen[2], seen[3] + seen[4], seen[5] + seen[6]]
@@ -155,5 +144,5 @@ def test_a_training_managers_step_shared_by_a_warm_up_loop_counts_each_step_once
 def test_step_hook_after_an_lbfgs_closure_reads_no_loss_and_counts_steps(patched, tmp_path: Path):
     script = REPO / "fixtures/scripts/lbfgs.py"
     assert "_autotune.step()" in patched[script].read_text()  # the closure's loss is not bound where the step ends
-    result = _trial(patched[script], (), tmp_path, warmup=1, steps=2)
+    result = trial(patched[script], (), tmp_path, warmup=1, steps=2)
     assert result["status"] == "ok" and result["steps_done"] == 3, result["error"]

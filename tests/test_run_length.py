@@ -10,7 +10,7 @@ import pytest
 
 from transform_cases import trial
 
-from autotune.patch import run, write_outputs
+from autotune.patch import run
 from autotune.project import load_project
 from autotune.search.trial import Outcome, Runner, TrialSettings
 
@@ -341,11 +341,10 @@ def _trial(tmp_path: Path, body: str):
 def test_a_trial_reads_the_runs_optimizer_steps_as_its_loops_start(body, steps, said, tmp_path):
     # what the patched script's runtime reads, in a trial forked from the probes' zygote (a fresh process imports
     # torch for 3 s here); the search's runner carries it into its result, below
-    script = tmp_path / "code" / "train.py"
-    script.parent.mkdir()
-    script.write_text(textwrap.dedent(body))
-    write_outputs(run(load_project(script)), tmp_path / "patched", script.name)
-    result = trial(tmp_path / "patched" / script.name, (), tmp_path, warmup=1, steps=2)
+    patched = tmp_path / "patched" / "train.py"
+    patched.parent.mkdir()
+    patched.write_text(_patched(tmp_path, body))
+    result = trial(patched, (), tmp_path, warmup=1, steps=2)
     assert result["status"] == "ok", result["error"]
     assert (result["run_steps"], result["run_steps_from"]) == (steps, said)
 
