@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from loss_probe import run_script
+from transform_cases import trial
 
 from autotune import runtime
 from autotune.project import load_project
@@ -89,14 +89,8 @@ def test_trial_result_says_whether_channels_last_reached_the_model(tmp_path, arc
     that channels_last changes, and the trial result tells the two apart."""
     script = tmp_path / "train.py"
     script.write_text(run(load_project(BRANCHES), select(["channels_last"]), hooks=True).files[0].new_text)
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"knobs": {"channels_last.enabled": True}}))
-    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
-    spec.write_text(json.dumps({"warmup": 1, "steps": 2, "result": str(result)}))
-    env = {**os.environ, runtime.CONFIG_ENV: str(tmp_path / "config.yaml"), runtime.TRIAL_ENV: str(spec)}
-    rc, output = run_script(script, ["--arch", arch], env=env, cwd=tmp_path, timeout=120)
-    assert rc == 0, output[-2000:]
-    r = json.loads(result.read_text())
-    assert r["status"] == "ok"
+    r = trial(script, ["--arch", arch], tmp_path, knobs={"channels_last.enabled": True}, warmup=1, steps=2)
+    assert r["status"] == "ok", r["error"]
     assert r["applied"] == (["channels_last.enabled"] if reached else [])
 
 
