@@ -42,12 +42,12 @@ def step_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
     ``manager.step_optimizers()``) gets one hook, not one per loop: each would count the same step again."""
     hooked: set[int] = set()  # the anchors given a hook in this pass
     for loop in project.loops:
-        stepping = [s for s in loop.scopes if s.steps]
+        stepping = [s for s in loop.scopes if s.stepping]
         if stepping and not stepping[-1].backward:
             # the optimizer steps in a helper the loop calls after its own backward() (a training manager's
             # step_optimizers()): the step hook there sees no loss, so the loop's backward calls add theirs up
             for other in loop.scopes:
-                if other.module is facts and other.backward and not other.steps and not any(
+                if other.module is facts and other.backward and not other.stepping and not any(
                         facts.is_runtime_call(c, "accumulate") for c in facts.calls_in(other.owner)):
                     _accumulate_hooks(facts, other, edits, hooked=hooked)
         scopes = [s for s in stepping if s.module is facts]
@@ -100,9 +100,9 @@ def framework_hooks(project: Project, facts: ModuleFacts, edits: Edits) -> None:
 def _steps_on_condition(facts: ModuleFacts, loop: cst.CSTNode, scope: StepScope) -> bool:
     """Whether every optimizer step of ``scope`` is in the body of an ``if`` inside ``loop`` that holds none of its
     backward() calls: gradient accumulation over the loop's own iterations."""
-    if not scope.steps or not scope.backward:
+    if not scope.stepping or not scope.backward:
         return False
-    for call in scope.steps:
+    for call in scope.stepping:
         condition = enclosing_if(facts, call, loop, scope.owner)
         if condition is None or any(facts.contains(condition, b) for b in scope.backward):
             return False
@@ -134,13 +134,13 @@ def _accumulate_hooks(
 def _hook_anchors(facts: ModuleFacts, scope: StepScope) -> list[cst.BaseStatement]:
     """The statements after which a training step has ended, one on each path through the step."""
     stepping = []
-    for call in scope.steps:
+    for call in scope.stepping:
         at = facts.statement_of(call)
         for node in facts.ancestors(call):
             if node is scope.owner:
                 break
             if isinstance(node, (cst.For, cst.While)):
-                at = node  # a loop over optimizers: the step ends with the loop
+                at = node  # a loop over optimizers or parameters: the step ends with the loop
         stepping.append(at)
     return _anchors_among(facts, stepping)
 

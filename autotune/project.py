@@ -43,6 +43,13 @@ class StepScope:
     backward: tuple[cst.Call, ...]
     steps: tuple[cst.Call, ...]
     zero_grads: tuple[cst.Call, ...]
+    # hand-written optimizer steps, each a write of a tensor from its own gradient (``p -= lr * p.grad``)
+    updates: tuple[cst.CSTNode, ...] = ()
+
+    @property
+    def stepping(self) -> tuple[cst.CSTNode, ...]:
+        """What ends a training step here: the optimizer steps and the hand-written updates."""
+        return (*self.steps, *self.updates)
 
     def loss_exprs(self) -> list[cst.BaseExpression]:
         """The tensors the step's backward calls run on (see ``loss_expr``)."""
@@ -89,8 +96,61 @@ def is_framework_backward(facts: ModuleFacts, call: cst.Call) -> bool:
 
 NO_LOOP = (
     "no training loop found: looked for a for/while loop whose body, directly or through a local function, "
-    "calls .backward() and an optimizer's .step()"
+    "calls .backward() and an optimizer's .step() (or updates parameters from their .grad by hand)"
 )
+
+
+# in-place tensor methods a hand-written update writes a parameter with (``p.data.add_(p.grad, alpha=-lr)``)
+_IN_PLACE = {"add_", "sub_", "addcdiv_", "addcmul_", "copy_", "mul_", "lerp_"}
+
+
+def _written_tensor(facts: ModuleFacts, target: cst.BaseExpression) -> str | None:
+    """The tensor a write goes to, ``.data`` taken off: ``p`` of ``p.data``; None for anything but a name or an
+    attribute."""
+    if isinstance(target, cst.Attribute) and target.attr.value == "data":
+        target = target.value
+    return facts.code(target) if isinstance(target, (cst.Name, cst.Attribute)) else None
+
+
+def _reads_grad_of(facts: ModuleFacts, node: cst.CSTNode, tensor: str) -> bool:
+    return any(a.attr.value == "grad" and _written_tensor(facts, a.value) == tensor
+               for a in facts.nodes_in(node, cst.Attribute))
+
+
+def updated_tensor(update: cst.CSTNode) -> cst.BaseExpression:
+    """The tensor a hand-written update (one of ``manual_updates``) writes, ``.data`` taken off."""
+    if isinstance(update, cst.AugAssign):
+        target = update.target
+    elif isinstance(update, cst.Assign):
+        target = update.targets[0].target
+    else:
+        target = update.func.value  # type: ignore[attr-defined]
+    return target.value if isinstance(target, cst.Attribute) and target.attr.value == "data" else target
+
+
+def manual_updates(facts: ModuleFacts, owner: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
+    """The hand-written optimizer steps in ``owner``: writes of a tensor in place from its own gradient, as plain
+    SGD is written out (``param -= lr * param.grad``, ``p.data += -lr * p.grad``, ``p.data = p.data - lr *
+    p.grad``, ``p.data.add_(p.grad, alpha=-lr)``), in source order."""
+    out: list[cst.CSTNode] = []
+    for node in facts.nodes_in(owner, cst.AugAssign):
+        tensor = _written_tensor(facts, node.target)
+        if tensor is not None and isinstance(node.operator, (cst.SubtractAssign, cst.AddAssign)) \
+                and _reads_grad_of(facts, node.value, tensor):
+            out.append(node)
+    for node in facts.nodes_in(owner, cst.Assign):
+        if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Attribute) \
+                and node.targets[0].target.attr.value == "data":
+            tensor = _written_tensor(facts, node.targets[0].target)
+            if tensor is not None and _reads_grad_of(facts, node.value, tensor):
+                out.append(node)
+    for call in facts.calls_in(owner):
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value in _IN_PLACE:
+            tensor = _written_tensor(facts, func.value)
+            if tensor is not None and any(_reads_grad_of(facts, a, tensor) for a in call.args):
+                out.append(call)
+    return tuple(sorted(out, key=facts._enter.__getitem__))
 class Framework(Enum):
     """A library whose Trainer runs the training loop; its value is how users name it."""
 
@@ -504,9 +564,10 @@ def _scope_calls(
     backward = tuple(c for c in calls if project.is_backward_call(c))
     steps = tuple(c for c in calls if project.is_step_call(facts, c))
     zero = tuple(c for c in calls if project.is_zero_grad_call(c))
+    updates = manual_updates(facts, owner) if backward else ()
     scopes = []
     if backward or steps:
-        scopes.append(StepScope(facts, owner, backward, steps, zero))
+        scopes.append(StepScope(facts, owner, backward, steps, zero, updates))
     if depth < 3:
         for call in calls:
             target = project.local_target(facts, call)
@@ -543,13 +604,13 @@ def _find_loops(project: Project) -> None:
         for loop in facts.loops:
             seen = reached[loop] = set()
             scopes = _scope_calls(project, facts, loop, 0, seen)
-            if any(s.backward for s in scopes) and any(s.steps for s in scopes):
+            if any(s.backward for s in scopes) and any(s.stepping for s in scopes):
                 candidates.append((facts, loop, tuple(scopes)))
     def inside(call_facts: ModuleFacts, call: cst.Call, other: tuple) -> bool:
         return other[0] is call_facts and call_facts.contains(other[1], call)
 
     for facts, loop, scopes in candidates:
-        steps = [(s.module, c) for s in scopes for c in s.steps]
+        steps = [(s.module, c) for s in scopes for c in s.stepping]
         others = [c for c in candidates if c[1] is not loop and not (c[0] is facts and facts.contains(c[1], loop))]
         nested = any(c[0] is facts and facts.contains(loop, c[1]) for c in others)
         # a trainer's train() loops over epochs and calls _run_epoch(), which holds the loop over batches

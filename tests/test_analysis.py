@@ -47,7 +47,7 @@ def test_every_training_script_has_one_step_loop(path: Path):
     project = load_project(path)
     assert len(project.loops) == STEP_LOOPS.get(path.name, 1)
     for loop in project.loops:
-        assert any(s.backward for s in loop.scopes) and any(s.steps for s in loop.scopes)
+        assert any(s.backward for s in loop.scopes) and any(s.stepping for s in loop.scopes)
         line = loop.module.source.splitlines()[loop.module.position(loop.node)[0] - 1]
         assert line.lstrip().startswith(("for ", "while "))
 
@@ -90,6 +90,44 @@ def test_a_lone_module_beside_a_plain_script_folder_is_not_imported(tmp_path: Pa
     (tmp_path / "pkg/mod.py").write_text("y = 2\n")
     project = load_project(tmp_path / "tools/train.py")
     assert {m.modname for m in project.modules} == {"train", "pkg", "pkg.mod"}
+
+
+# a training step whose update is written out: (the update, whether it is one)
+HAND_UPDATES = [
+    ("p.data += -lr * p.grad", True),
+    ("p -= lr * p.grad", True),
+    ("p.data = p.data - lr * p.grad", True),
+    ("p.data.add_(p.grad, alpha=-lr)", True),
+    ("p.sub_(lr * p.grad)", True),
+    ("p.data.mul_(0.99)", False),  # weight decay alone reads no gradient
+    ("p = p - lr * p.grad", False),  # rebinds the loop's name: no tensor is written
+    ("q.data -= lr * p.grad", False),  # another tensor's gradient
+    ("p.grad.clamp_(-1, 1)", False),  # clips the gradient, writes no parameter
+]
+
+
+@pytest.mark.parametrize(("update", "found"), HAND_UPDATES, ids=[u for u, _ in HAND_UPDATES])
+def test_parameters_updated_from_their_own_gradients_by_hand_are_the_step(update: str, found: bool, tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "w = torch.zeros(3, requires_grad=True)\nq = torch.zeros(3)\nlr = 0.1\n"
+        "for i in range(5):\n"
+        "    loss = (w * 2).sum()\n"
+        "    w.grad = None\n"
+        "    loss.backward()\n"
+        "    with torch.no_grad():\n"
+        "        for p in [w]:\n"
+        f"            {update}\n"
+    )
+    project = load_project(script)
+    assert bool(project.loops) is found
+    if found:
+        (loop,) = project.loops
+        (scope,) = [s for s in loop.scopes if s.updates]
+        assert not scope.steps and [loop.module.code(u).strip() for u in scope.updates] == [update]
+    else:
+        assert "updates parameters from their .grad by hand" in project.no_loop_reason()
 
 
 def test_scheduler_step_is_not_an_optimizer_step():

@@ -112,6 +112,8 @@ ONE_BACKWARD_PER_STEP = {
     "trainer_step.py": [((), 1.0)],
     "rnn_optional_optimizer.py": [((), 1.0), (("--optimizer", "adamw"), 1.0)],
     "gpt_moduledict.py": [((), 1.0)],
+    "manual_sgd.py": [((), 1.0)],  # parameters updated by hand: the step hook after the loop over them
+    "manual_sgd_module.py": [((), 1.0)],
 }
 HOOK_CASES = [(name, args, factor) for name, runs in ONE_BACKWARD_PER_STEP.items() for args, factor in runs]
 

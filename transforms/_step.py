@@ -7,7 +7,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
-from autotune.project import Project
+from autotune.project import Project, manual_updates, updated_tensor
 from autotune.syntax import assigned_names, is_docstring, walk
 from autotune.transforms._sites import h2d_copy
 
@@ -46,8 +46,39 @@ def is_copy_statement(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
     return True
 
 
+def clears_grads(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
+    """Whether ``s`` only clears gradients by hand: ``p.grad = None``, ``p.grad.zero_()`` (``.data`` between), or a
+    loop over parameters doing that (``for p in parameters: p.grad = None``)."""
+    if isinstance(s, cst.For) and isinstance(s.body, cst.IndentedBlock) and s.orelse is None:
+        return bool(s.body.body) and all(clears_grads(facts, b) for b in s.body.body)
+    if not isinstance(s, cst.SimpleStatementLine):
+        return False
+
+    def grad(node: cst.BaseExpression) -> bool:
+        if isinstance(node, cst.Attribute) and node.attr.value == "data":
+            node = node.value
+        return isinstance(node, cst.Attribute) and node.attr.value == "grad"
+
+    for small in s.body:
+        if isinstance(small, cst.Assign):
+            if not (all(grad(t.target) for t in small.targets) and isinstance(small.value, cst.Name)
+                    and small.value.value == "None"):
+                return False
+        elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+            func = small.value.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value == "zero_" and grad(func.value)
+                    and not small.value.args):
+                return False
+        else:
+            return False
+    return True
+
+
 def is_separator(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
-    """Statements that end a step's forward and loss: zero_grad, step, backward, clipping, host-to-device copies."""
+    """Statements that end a step's forward and loss: zero_grad (or gradients cleared by hand), step (or a
+    hand-written update), backward, clipping, host-to-device copies."""
+    if clears_grads(facts, s) or manual_updates(facts, s):
+        return True
     for call in facts.calls_in(s):
         if project.is_zero_grad_call(call) or project.is_backward_call(call) or project.is_step_call(facts, call):
             return True
@@ -58,7 +89,8 @@ def is_separator(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> 
 
 def device_type_code(facts: ModuleFacts, scope, backward: cst.Call, group: list[cst.BaseStatement]) -> str | None:
     """Code that reads, where ``group`` starts, the type of the device the step computes on: that of the tensor the
-    loop last copied to the device, else that of the stepped optimizer's first parameter; None if neither is sure."""
+    loop last copied to the device, else that of the stepped optimizer's first parameter (or of the tensor a
+    hand-written update writes); None if neither is sure."""
     body = list(facts.block_of(group[0]).body)
     start = body.index(group[0])
     for i in range(start - 1, -1, -1):
@@ -77,6 +109,29 @@ def device_type_code(facts: ModuleFacts, scope, backward: cst.Call, group: list[
             if unbound(facts, group[0], facts.code(recv)):
                 return None  # (an optimizer made on one path only: torch's device is the guess then)
             return f'{facts.code(recv)}.param_groups[0]["params"][0].device.type'
+    for update in scope.updates:
+        if order[update] > order[backward] and facts.function_of(update) is home:
+            return _updated_device(facts, update, group[0])
+    return None
+
+
+def _updated_device(facts: ModuleFacts, update: cst.CSTNode, at: cst.BaseStatement) -> str | None:
+    """Code for the device of the tensor a hand-written update writes, read at ``at``: ``W.device.type``, or of the
+    first parameter a loop over them updates (``parameters[0]``, ``next(model.parameters())``)."""
+    tensor = updated_tensor(update)
+    if not isinstance(tensor, cst.Name):
+        return None
+    loop = next((a for a in facts.ancestors(update) if isinstance(a, cst.For) and isinstance(a.target, cst.Name)
+                 and a.target.value == tensor.value), None)
+    if loop is None:
+        return None if unbound(facts, at, tensor.value) else f"{tensor.value}.device.type"
+    source = loop.iter
+    if isinstance(source, cst.Name) and not unbound(facts, at, source.value):
+        return f"{source.value}[0].device.type"
+    if (isinstance(source, cst.Call) and not source.args and isinstance(source.func, cst.Attribute)
+            and source.func.attr.value == "parameters" and isinstance(source.func.value, cst.Name)
+            and not unbound(facts, at, source.func.value.value)):
+        return f"next({facts.code(source)}).device.type"
     return None
 
 
@@ -119,7 +174,7 @@ def forward_statements(
     block = facts.block_of(line)
     body = list(block.body)
     end = body.index(line)
-    while end > 0 and project.is_zero_grad_statement(facts, body[end - 1]):
+    while end > 0 and (project.is_zero_grad_statement(facts, body[end - 1]) or clears_grads(facts, body[end - 1])):
         end -= 1  # forward, loss, zero_grad(), backward(): the forward and loss still count
     start = end
     while start > 0 and not is_separator(project, facts, body[start - 1]):

@@ -318,12 +318,17 @@ class Autocast(Transform):
                 plan.steps.extend(steps)
                 plan.updates.extend(last_steps(facts, scope, steps))
                 unbound_at.extend(self._plan_clips(scope, plan))
+            by_hand = next(((s.module, u) for s in loop.scopes for u in s.updates), None)
             reason = None
             if unbound_at:
                 reason = f"{unbound_at[0]}, where fp16 would unscale its gradients"
+            elif by_hand is not None:
+                where, update = by_hand
+                reason = (f"the parameters are updated by hand ({where.display}:{where.position(update)[0]}), "
+                          "from gradients fp16 would scale and no GradScaler unscales")
             elif self.baking() and self._dtype() == "fp16" and not self._place_scaler(loop, work):
                 reason = "fp16 needs one GradScaler for backward() and step(), and they sit in different files"
-            if reason is not None and unbound_at and not has_scaler:
+            if reason is not None and (unbound_at or by_hand is not None) and not has_scaler:
                 # bf16 needs none of that scaling: the autocast regions stay, with bf16 the only choice
                 self._bf16_only = reason
                 for plan in work.values():
