@@ -131,8 +131,11 @@ def updated_tensor(update: cst.CSTNode) -> cst.BaseExpression:
 def manual_updates(facts: ModuleFacts, owner: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
     """The hand-written optimizer steps in ``owner``: writes of a tensor in place from its own gradient, as plain
     SGD is written out (``param -= lr * param.grad``, ``p.data += -lr * p.grad``, ``p.data = p.data - lr *
-    p.grad``, ``p.data.add_(p.grad, alpha=-lr)``), in source order."""
+    p.grad``, ``p.data.add_(p.grad, alpha=-lr)``), in source order; none in a module that does not import torch
+    (micrograd's ``Value`` objects are written the same way)."""
     out: list[cst.CSTNode] = []
+    if not any(q == "torch" or q.startswith("torch.") for q in facts.imports.values()):
+        return ()
     for node in facts.nodes_in(owner, cst.AugAssign):
         tensor = _written_tensor(facts, node.target)
         if tensor is not None and isinstance(node.operator, (cst.SubtractAssign, cst.AddAssign)) \
@@ -276,9 +279,11 @@ class Project:
         recv = facts.code(func.value).lower()
         return "scaler" in recv and bool(call.args) and self.is_optimizer_expr(facts, call.args[0].value)
 
-    @staticmethod
-    def is_backward_call(call: cst.Call) -> bool:
-        return isinstance(call.func, cst.Attribute) and call.func.attr.value == "backward"
+    def is_backward_call(self, facts: ModuleFacts, call: cst.Call) -> bool:
+        """``loss.backward()``, ``scaler.scale(loss).backward()``, ``accelerator.backward(loss)``; not a method of
+        the script's own named ``backward`` (a from-scratch class's ``net.backward()``, whose body calls the real one)."""
+        return isinstance(call.func, cst.Attribute) and call.func.attr.value == "backward" \
+            and self.local_target(facts, call) is None
 
     @staticmethod
     def is_zero_grad_call(call: cst.Call) -> bool:
@@ -561,12 +566,12 @@ def _scope_calls(
 ) -> list[StepScope]:
     """The step scopes reachable from ``owner``'s calls: itself and the local functions it calls."""
     calls = facts.calls_in(owner)
-    backward = tuple(c for c in calls if project.is_backward_call(c))
+    backward = tuple(c for c in calls if project.is_backward_call(facts, c))
     steps = tuple(c for c in calls if project.is_step_call(facts, c))
     zero = tuple(c for c in calls if project.is_zero_grad_call(c))
-    updates = manual_updates(facts, owner) if backward else ()
+    updates = manual_updates(facts, owner)
     scopes = []
-    if backward or steps:
+    if backward or steps or updates:
         scopes.append(StepScope(facts, owner, backward, steps, zero, updates))
     if depth < 3:
         for call in calls:

@@ -130,6 +130,31 @@ def test_parameters_updated_from_their_own_gradients_by_hand_are_the_step(update
         assert "updates parameters from their .grad by hand" in project.no_loop_reason()
 
 
+def test_a_hand_written_update_without_torch_is_not_a_training_loop(tmp_path: Path):
+    # micrograd's Value objects train with the same lines; nothing of torch runs there to tune
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from micrograd.nn import MLP\n"
+        "model = MLP(3, [4, 1])\n"
+        "for k in range(20):\n"
+        "    loss = sum(model(x) for x in [[1.0, 2.0, 3.0]])\n"
+        "    model.zero_grad()\n"
+        "    loss.backward()\n"
+        "    for p in model.parameters():\n"
+        "        p.data += -0.05 * p.grad\n"
+    )
+    assert load_project(script).loops == []
+
+
+def test_a_method_of_the_scripts_own_named_backward_is_not_a_backward_pass():
+    # net.backward() runs the class's own method, which calls the real backward(); only that one is the step's
+    project = load_project(SCRIPTS / "manual_sgd_class.py")
+    (loop,) = project.loops
+    backward = [loop.module.code(c) for s in loop.scopes for c in s.backward]
+    updates = [s.owner.name.value for s in loop.scopes if s.updates]
+    assert backward == ["self.loss.backward()"] and updates == ["update_params"]
+
+
 def test_scheduler_step_is_not_an_optimizer_step():
     project = load_project(SCRIPTS / "module_level.py")
     (loop,) = project.loops

@@ -114,6 +114,7 @@ ONE_BACKWARD_PER_STEP = {
     "gpt_moduledict.py": [((), 1.0)],
     "manual_sgd.py": [((), 1.0)],  # parameters updated by hand: the step hook after the loop over them
     "manual_sgd_module.py": [((), 1.0)],
+    "manual_sgd_class.py": [((), 1.0)],  # the update in a method the loop calls after the one that runs backward()
 }
 HOOK_CASES = [(name, args, factor) for name, runs in ONE_BACKWARD_PER_STEP.items() for args, factor in runs]
 

@@ -80,7 +80,7 @@ def is_separator(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> 
     if clears_grads(facts, s) or manual_updates(facts, s):
         return True
     for call in facts.calls_in(s):
-        if project.is_zero_grad_call(call) or project.is_backward_call(call) or project.is_step_call(facts, call):
+        if project.is_zero_grad_call(call) or project.is_backward_call(facts, call) or project.is_step_call(facts, call):
             return True
         if facts.qualname(call.func) in CLIP or facts.is_runtime_call(call, "unscale_"):
             return True

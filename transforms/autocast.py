@@ -200,7 +200,7 @@ class Autocast(Transform):
                 in_loops.update(scope.backward)
         for facts in project.modules:
             for call in facts.calls:
-                if project.is_backward_call(call) and call not in in_loops:
+                if project.is_backward_call(facts, call) and call not in in_loops:
                     plans[facts].reports.append((call, Status.NOT_APPLICABLE, "backward() outside any training loop"))
         if not project.loops:
             for facts, call in autocasts + scalers:

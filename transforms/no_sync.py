@@ -265,7 +265,7 @@ def _forward_start(project, facts: ModuleFacts, body: list[cst.BaseStatement], e
 
 def _separator(project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
     return any(
-        project.is_zero_grad_call(c) or project.is_backward_call(c) or project.is_step_call(facts, c)
+        project.is_zero_grad_call(c) or project.is_backward_call(facts, c) or project.is_step_call(facts, c)
         for c in facts.calls_in(s)
     )
 
