@@ -79,6 +79,11 @@ class Compile(Transform):
             return
         switches = self._switches
         targets = switches or self._targets
+        for where, call, name in self._plain:
+            if where is facts:
+                self.report(facts, call, Status.NOT_APPLICABLE, (
+                    f"{facts.code(call.func)} is a {name}, a plain class of the script's (not an nn.Module): it has no "
+                    "Module.compile to compile it in place"))
         eager_rng_set = False
         helper = None  # the name of compile_for_training in a baked file
         for target in targets:
@@ -195,8 +200,13 @@ class Compile(Transform):
 
     # --- finding the model -------------------------------------------------------------------------------
 
-    @cached_property
+    @property
     def _targets(self) -> list[_Target]:
+        return self._found[0]
+
+    @cached_property
+    def _found(self) -> tuple[list[_Target], list[tuple[ModuleFacts, cst.Call, str]]]:
+        """The models to compile, and (where none is found) the calls of a plain class's instance trained instead."""
         out: list[_Target] = []
         seen: set[cst.CSTNode] = set()
         for model in training(self.project).models():
@@ -211,13 +221,19 @@ class Compile(Transform):
             cls = classes[-1] if len({id(c) if isinstance(c, ClassRef) else c for c in classes}) == 1 else None
             out.append(_Target(model.facts, model.point, True, model.name, cls, blocks, model.bindings[-1].value))
         if not out:
-            out = self._fallback()
-        return out
+            return self._fallback()
+        return out, []
 
-    def _fallback(self) -> list[_Target]:
+    @property
+    def _plain(self) -> list[tuple[ModuleFacts, cst.Call, str]]:
+        """The training loop's calls of a model that is a plain class's instance, where no other model was found."""
+        return self._found[1]
+
+    def _fallback(self) -> tuple[list[_Target], list[tuple[ModuleFacts, cst.Call, str]]]:
         """A model that arrives as an argument (``def train(model, ...)``) with no caller in sight: compile before
-        the loop that trains it."""
-        out = []
+        the loop that trains it; and the calls of a plain class's instance in its place, which compile cannot."""
+        out: list[_Target] = []
+        plain: list[tuple[ModuleFacts, cst.Call, str]] = []
         receivers = {
             f.code(c.func.value)
             for f in self.project.modules
@@ -231,9 +247,14 @@ class Compile(Transform):
                 code = facts.code(call.func)
                 if isinstance(call.func, (cst.Name, cst.Attribute)) and code in receivers and (facts, code) not in seen:
                     seen.add((facts, code))
+                    cls = model_class(self.project, facts, scope_of(facts, call), call.func)
+                    if isinstance(cls, ClassRef) and not cls.node.bases:
+                        # a from-scratch network (a plain class with __call__ and parameters()): no Module.compile
+                        plain.append((facts, call, cls.name))
+                        continue
                     anchor = facts.statement_of(loop.outer)
                     out.append(_Target(facts, anchor, False, code, None, (), call))
-        return out
+        return out, plain
 
     # --- rewriting ---------------------------------------------------------------------------------------
 
