@@ -282,8 +282,11 @@ class Project:
     def is_backward_call(self, facts: ModuleFacts, call: cst.Call) -> bool:
         """``loss.backward()``, ``scaler.scale(loss).backward()``, ``accelerator.backward(loss)``; not a method of
         the script's own named ``backward`` (a from-scratch class's ``net.backward()``, whose body calls the real one)."""
-        return isinstance(call.func, cst.Attribute) and call.func.attr.value == "backward" \
-            and self.local_target(facts, call) is None
+        if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "backward"):
+            return False
+        target = self.local_target(facts, call)
+        return target is None or not any(
+            isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward" for c in target[0].calls_in(target[1]))
 
     @staticmethod
     def is_zero_grad_call(call: cst.Call) -> bool:
