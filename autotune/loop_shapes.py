@@ -81,13 +81,13 @@ def batch_of(loop: cst.CSTNode) -> str | None:
 
 def micro_loop(facts: ModuleFacts, loop: cst.CSTNode, scope: StepScope) -> cst.For | None:
     """The outermost ``for`` inside ``loop`` (in its function) that holds every backward of ``scope`` and none of its
-    optimizer steps: the loop over a step's micro-batches."""
+    optimizer steps (or hand-written updates): the loop over a step's micro-batches."""
     if not scope.backward:
         return None
     for inner in facts.nodes_in(loop.body, cst.For):  # type: ignore[attr-defined]
         if facts.function_of(inner) is facts.function_of(loop) and \
                 all(facts.contains(inner.body, b) for b in scope.backward) and \
-                not any(facts.contains(inner, step) for step in scope.steps):
+                not any(facts.contains(inner, step) for step in scope.stepping):
             return inner
     return None
 
