@@ -102,8 +102,8 @@ def _steps_on_condition(facts: ModuleFacts, loop: cst.CSTNode, scope: StepScope)
     backward() calls: gradient accumulation over the loop's own iterations."""
     if not scope.stepping or not scope.backward:
         return False
-    for call in scope.stepping:
-        condition = enclosing_if(facts, call, loop, scope.owner)
+    for step in scope.stepping:
+        condition = enclosing_if(facts, step, loop, scope.owner)
         if condition is None or any(facts.contains(condition, b) for b in scope.backward):
             return False
     return True
@@ -134,9 +134,9 @@ def _accumulate_hooks(
 def _hook_anchors(facts: ModuleFacts, scope: StepScope) -> list[cst.BaseStatement]:
     """The statements after which a training step has ended, one on each path through the step."""
     stepping = []
-    for call in scope.stepping:
-        at = facts.statement_of(call)
-        for node in facts.ancestors(call):
+    for step in scope.stepping:
+        at = facts.statement_of(step)
+        for node in facts.ancestors(step):
             if node is scope.owner:
                 break
             if isinstance(node, (cst.For, cst.While)):

@@ -104,14 +104,14 @@ NO_LOOP = (
 _IN_PLACE = {"add_", "sub_", "addcdiv_", "addcmul_", "copy_", "mul_", "lerp_"}
 
 
-def _without_data(target: cst.BaseExpression) -> cst.BaseExpression:
+def without_data(target: cst.BaseExpression) -> cst.BaseExpression:
     """``p`` of ``p.data``; anything else as it is."""
     return target.value if isinstance(target, cst.Attribute) and target.attr.value == "data" else target
 
 
 def _written_tensor(facts: ModuleFacts, target: cst.BaseExpression) -> str | None:
     """The code of the tensor a write goes to, ``.data`` taken off; None for anything but a name or an attribute."""
-    target = _without_data(target)
+    target = without_data(target)
     return facts.code(target) if isinstance(target, (cst.Name, cst.Attribute)) else None
 
 
@@ -128,7 +128,7 @@ def updated_tensor(update: cst.CSTNode) -> cst.BaseExpression:
         target = update.targets[0].target
     else:
         target = update.func.value  # type: ignore[attr-defined]
-    return _without_data(target)
+    return without_data(target)
 
 
 def manual_updates(facts: ModuleFacts, owner: cst.CSTNode) -> tuple[cst.CSTNode, ...]:

@@ -7,7 +7,7 @@ import libcst as cst
 
 from autotune.analysis import ModuleFacts
 from autotune.bound import unbound
-from autotune.project import Project, manual_updates, updated_tensor
+from autotune.project import Project, manual_updates, updated_tensor, without_data
 from autotune.syntax import assigned_names, is_docstring, walk
 from autotune.transforms._sites import h2d_copy
 
@@ -46,17 +46,16 @@ def is_copy_statement(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
     return True
 
 
-def clears_grads(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
+def clears_grads(s: cst.BaseStatement) -> bool:
     """Whether ``s`` only clears gradients by hand: ``p.grad = None``, ``p.grad.zero_()`` (``.data`` between), or a
     loop over parameters doing that (``for p in parameters: p.grad = None``)."""
     if isinstance(s, cst.For) and isinstance(s.body, cst.IndentedBlock) and s.orelse is None:
-        return bool(s.body.body) and all(clears_grads(facts, b) for b in s.body.body)
+        return bool(s.body.body) and all(clears_grads(b) for b in s.body.body)
     if not isinstance(s, cst.SimpleStatementLine):
         return False
 
     def grad(node: cst.BaseExpression) -> bool:
-        if isinstance(node, cst.Attribute) and node.attr.value == "data":
-            node = node.value
+        node = without_data(node)
         return isinstance(node, cst.Attribute) and node.attr.value == "grad"
 
     for small in s.body:
@@ -77,7 +76,7 @@ def clears_grads(facts: ModuleFacts, s: cst.BaseStatement) -> bool:
 def is_separator(project: Project, facts: ModuleFacts, s: cst.BaseStatement) -> bool:
     """Statements that end a step's forward and loss: zero_grad (or gradients cleared by hand), step (or a
     hand-written update), backward, clipping, host-to-device copies."""
-    if clears_grads(facts, s) or manual_updates(facts, s):
+    if clears_grads(s) or manual_updates(facts, s):
         return True
     for call in facts.calls_in(s):
         if project.is_zero_grad_call(call) or project.is_backward_call(facts, call) or project.is_step_call(facts, call):
@@ -174,7 +173,7 @@ def forward_statements(
     block = facts.block_of(line)
     body = list(block.body)
     end = body.index(line)
-    while end > 0 and (project.is_zero_grad_statement(facts, body[end - 1]) or clears_grads(facts, body[end - 1])):
+    while end > 0 and (project.is_zero_grad_statement(facts, body[end - 1]) or clears_grads(body[end - 1])):
         end -= 1  # forward, loss, zero_grad(), backward(): the forward and loss still count
     start = end
     while start > 0 and not is_separator(project, facts, body[start - 1]):
