@@ -1089,6 +1089,76 @@ def test_a_confirmation_stops_once_no_more_pairs_could_make_it_faster(tmp_path, 
     assert first.reason.startswith("not shown faster (")
 
 
+class LuckyRunner(FakeRunner):
+    """bf16 is slower here (0.85x), fused AdamW faster (1.12x), compile worth nothing; but the first search runs
+    came in a fast stretch of the machine (1.8x) between two baseline runs, which the A/B pairs of the confirmation,
+    run side by side, do not repeat."""
+
+    lucky = 4  # search runs in the fast stretch
+
+    def run(self, config, role, timeout, on_start=None, attrs=None, **more):
+        from autotune.search.trial import Outcome
+
+        r = super().run(config, role, timeout, on_start, attrs)
+        if r.status is not Outcome.OK:
+            return r
+        speed = {"default": 1.0, "foreach": 1.08, "fused": 1.12}[config.get("fused_optimizer.impl", "default")]
+        speed *= 0.85 if config.get("autocast.dtype") == "bf16" else 1.0
+        if role == "search" and sum(role == "search" for _, role, _ in self.runs) <= self.lucky:
+            speed *= 1.8
+        return r.with_(step_times=(self.base_step / speed,) * len(r.step_times))
+
+
+def test_a_candidate_its_pairs_do_not_confirm_sends_the_search_back_to_the_descent_with_the_time_left(
+        tmp_path, monkeypatch):
+    """The descent ends at bf16 (with fused AdamW), faster in its single runs, slower in its A/B pairs (0.95x, and
+    the second candidate 0.85x). With the time left the search goes on from what the pairs measured: without bf16
+    (fused AdamW alone, 1.12x) is faster than that, and its pairs confirm it. Before, the search stopped at the first
+    rejections with the time unspent."""
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=1500.0)
+    search.runner_factory = lambda *a, **k: LuckyRunner(clock)
+    search.display = notes = Notes()
+    out = search.run()
+    *lost, won = out.confirmations
+    assert lost and all(c.config["autocast.dtype"] == "bf16" and not c.accepted for c in lost)
+    assert all(c.reason.startswith("slower (") for c in lost), [c.reason for c in lost]
+    assert won is out.winner and won.accepted, out.stopped
+    assert won.config["autocast.dtype"] == "default" and won.config["fused_optimizer.impl"] == "fused"
+    assert won.speedup == pytest.approx(1.12)
+    said = [t for _, t in notes.notes if t.startswith("not confirmed: ")]
+    assert len(said) == 1 and said[0].count("autocast.dtype=bf16") == len(lost), notes.notes
+    assert re.search(r"; the search goes on from what its A/B pairs measured, with the \d+s left$", said[0]), said
+    # the rejected programs are no candidates again, and the descent reads their pairs' medians, not their runs'
+    assert search.rejected == {search.programs.program(c.config): pytest.approx(c.speedup) for c in lost}
+    assert not {search.programs.program(c) for c, _ in search.candidates()} & set(search.rejected)
+    assert [search.view().observed(c.config).speedup for c in lost] == pytest.approx([c.speedup for c in lost])
+    assert out.wall_s <= 1500 * 1.05
+
+    # autotune report reads the same from the study: the pairs' medians, the descent's path and the winner
+    from autotune.search.from_study import study_outcome
+    from autotune.search.live import QuietDisplay
+    from autotune.search.search import Search
+
+    again = study_outcome(Search(search.o, QuietDisplay()), search.store)
+    assert again.winner is not None and again.winner.config == won.config
+    assert [st.text for st in again.plan.path] == [st.text for st in out.plan.path]
+
+
+def test_the_search_does_not_go_on_where_the_time_left_covers_no_run_and_confirmation(tmp_path, monkeypatch):
+    """The same machine with a budget that leaves no room after the first confirmation: the verdict is the
+    baseline's, said at once, with no search run after the confirmation."""
+    monkeypatch.setattr("autotune.search.prepare.cpu_has_bf16", lambda: True)
+    search, clock, _ = fake_search(tmp_path, monkeypatch, time_budget=240.0)
+    search.runner_factory = lambda *a, **k: LuckyRunner(clock)
+    search.display = notes = Notes()
+    out = search.run()
+    assert out.winner is None and out.confirmations and not out.confirmations[0].accepted
+    assert not [t for _, t in notes.notes if t.startswith("not confirmed: ")]
+    roles = [r.role for r in out.results]
+    assert "confirm" in roles and "search" not in roles[roles.index("confirm"):]
+
+
 def test_a_configuration_is_affordable_only_where_its_own_confirmation_fits_too(tmp_path, monkeypatch):
     """Should it become the best, a configuration is confirmed in its own A/B pairs: a compiling one costs more to
     confirm than a plain best so far (makemore: a compiling configuration tried with 44 s left won, and its

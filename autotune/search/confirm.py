@@ -117,6 +117,28 @@ def futile(ratios: tuple[float, ...], more: int) -> str | None:
             f"and {most} pairs allow at most {allowed}")
 
 
+def rejections(s: Confirming) -> dict[str, float]:
+    """The programs whose A/B pairs on this machine ended without confirming them by their timing (settled, or
+    stopped where no more pairs could make them faster, or at the most pairs allowed; not a failed candidate run,
+    which is no measure of its speed), each with the median speedup its pairs measured: what the descent reads for
+    them in place of their single search runs, and why none is a candidate again. Read from the study, so that a
+    resumed search and ``autotune report`` see what the search saw."""
+    me, out = s.mine(), {}
+    limit = s.o.confirm * MORE_PAIRS
+    for key in {str(r.attrs.get("candidate")) for r in s.results if r.role == ROLE_CONFIRM and r.machine == me}:
+        got = arms(s.results, key, me)
+        config = next((r.config for (_, arm), r in got.items() if arm == "candidate"), None)
+        if config is None:
+            continue
+        c = s.verdict_of(dict(config), got, None, None, me)
+        ran = len({j for j, _ in got})
+        ended = c.settled or futile(c.ratios, limit - ran) is not None or ran >= limit
+        if c.accepted or c.evidence or len(c.ratios) < s.o.confirm or not ended:
+            continue
+        out[s.programs.program(config)] = float(c.speedup)  # type: ignore[arg-type]
+    return out
+
+
 def confirm_candidates(s: Confirming) -> list[Confirmation]:
     """The search's best candidates confirmed in turn on this machine, until one holds (a second one only where
     the time left covers it)."""

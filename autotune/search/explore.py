@@ -32,7 +32,6 @@ def explore(search: Exploring) -> str:
     """The search phase: the first baselines (and the perturbed one on a CPU), then the strategy's proposals run
     one after another (a baseline every ``baseline_every`` search runs, ties as duels, untried hopeful configurations
     after the descent) until the space, the trial budget or the time runs out; why it stopped, in words."""
-    duplicates = 0
     search.reserve_now = 0.0
     target = search.target()
     if search.baselines():  # a resumed study: nothing to do where it has already done what was asked
@@ -66,6 +65,20 @@ def explore(search: Exploring) -> str:
             search.display.note(c.warning(search.thread_knob()))
     second_run_on_fewer_threads(search)
     lead_with_fewer_threads(search)
+    return _search_loop(search, target)
+
+
+def explore_more(search: Exploring) -> str:
+    """The search phase again, after confirmation found no candidate that holds: the strategy's proposals from where
+    the study stands now (the candidates' A/B pairs in place of their single runs), until the space, the trial
+    budget or the time runs out; why it stopped, in words."""
+    search.reserve_now = 0.0
+    return _search_loop(search, search.target())
+
+
+def _search_loop(search: Exploring, target: int | None) -> str:
+    """The strategy's proposals run one after another; why they stopped."""
+    duplicates = 0
     while True:
         search.refresh()
         measured = len(search.measured())

@@ -10,6 +10,7 @@ from autotune.search.options import SearchOptions
 from autotune.search.outcome import SearchOutcome
 from autotune.search.search import Search
 from autotune.search.carried import arms as saving_arms, judge as judge_saving
+from autotune.search.confirm import rejections
 from autotune.search.whole import arms as whole_arms, judge as judge_whole, kept
 from autotune.search.space import config_key
 from autotune.search.storage import open_storage
@@ -62,6 +63,10 @@ def study_outcome(s: Search, store: StudyStore) -> SearchOutcome:
     s.results = s.admit(store.results())
     if not s.results:
         raise UsageError(f"study '{store.name}' has no finished trials yet")
+    # the plan as the search that confirmed last saw it: its machine's duels and rejected candidates
+    confirmed = [r.machine for r in s.results if r.role == ROLE_CONFIRM]
+    s.reported = confirmed[-1] if confirmed else s.reported
+    s.rejected = rejections(s)
     s.plan = s.strategy.plan(s.view())
     speeds = {config_key(c): speed for c, speed in s.candidates()}
     arms: dict[tuple[str, str], dict[tuple[int, str], TrialResult]] = {}

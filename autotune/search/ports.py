@@ -134,6 +134,7 @@ class Viewed(Runs, Protocol):
     """What the strategy's view of the study (view.py) reads."""
 
     costs: Clock
+    rejected: dict[str, float]  # program -> the speedup the A/B pairs measured, where they did not confirm it
 
 
 class Shown(Protocol):

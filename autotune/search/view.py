@@ -40,6 +40,8 @@ class StudyView:
                 idle = tuple(unreached(r.with_(status=Outcome.OK), search.space.changed(r.config))) \
                     if r.status is Outcome.UNREACHED else ()
                 speed = settled.get(r.number, search.value_of(r)) if ok else None
+                if ok and key in search.rejected:  # its A/B pairs measured it since: they say more than one run
+                    speed = search.rejected[key]
                 self._obs[key] = Observation(ok, speed, str(r.status), r.error, idle)
         self._threshold = margin(search.baselines())
 
