@@ -11,7 +11,7 @@ from typing import Any
 from autotune.search.budget import ALPHA
 from autotune.search.outcome import TIE, Confirmation, is_tie
 from autotune.search.ports import Confirming
-from autotune.search.stats import false_accepts, later_alpha, median_interval, sign_test
+from autotune.search.stats import false_accepts, later_alpha, median_interval, most_lost, sign_test
 from autotune.search.space import config_key
 from autotune.search.study import ROLE_CONFIRM, claim_key
 from autotune.search.trial import Outcome, TrialResult
@@ -119,8 +119,7 @@ def most_slower(pairs: int, first: int) -> int:
     """The most pairs, of ``pairs``, that may go the baseline's way (a ratio of 1.0 or less) with the sign test
     still saying faster at that look (``look_alpha``; the first at ``first`` pairs): with ``first`` 5, 3 of 15, 1 of
     10, none of 8 or 5; -1 where so few pairs cannot say faster."""
-    a = look_alpha(pairs, first)
-    return next((lost for lost in range(pairs, -1, -1) if sign_test(pairs - lost, pairs) <= a), -1)
+    return most_lost(pairs, look_alpha(pairs, first))
 
 
 def futile(ratios: tuple[float, ...], more: int, first: int) -> str | None:
@@ -135,6 +134,20 @@ def futile(ratios: tuple[float, ...], more: int, first: int) -> str | None:
             f"and {most} pairs allow at most {allowed}")
 
 
+def over(c: Confirmation, ran: int, first: int) -> tuple[bool, str | None]:
+    """Whether a confirmation whose first ``ran`` pairs measured ``c`` (its first look at ``first`` pairs) is over,
+    and why where it stopped short of a verdict's evidence: a failed candidate run, an interval clear of 1.0 or a tie,
+    no more pairs that could make it faster (``futile``), or the most pairs allowed."""
+    limit = first * MORE_PAIRS
+    if c.evidence or (len(c.ratios) >= first and c.settled):
+        return True, None
+    if len(c.ratios) >= first and (why := futile(c.ratios, limit - ran, first)):
+        return True, why
+    if ran >= limit:
+        return True, f"{ran} pairs run, {ran - len(c.ratios)} of them not measured" if len(c.ratios) < first else None
+    return False, None
+
+
 def rejections(s: Confirming) -> dict[str, float]:
     """The programs whose A/B pairs on this machine ended without confirming them by their timing (settled, or
     stopped where no more pairs could make them faster, or at the most pairs allowed; not a failed candidate run,
@@ -142,15 +155,13 @@ def rejections(s: Confirming) -> dict[str, float]:
     them in place of their single search runs, and why none is a candidate again. Read from the study, so that a
     resumed search and ``autotune report`` see what the search saw."""
     me, out = s.mine(), {}
-    limit = s.o.confirm * MORE_PAIRS
     for key in {str(r.attrs.get("candidate")) for r in s.results if r.role == ROLE_CONFIRM and r.machine == me}:
         got = arms(s.results, key, me)
         config = next((r.config for (_, arm), r in got.items() if arm == "candidate"), None)
         if config is None:
             continue
         c = s.verdict_of(dict(config), got, None, None, me)
-        ran = len({j for j, _ in got})
-        ended = c.settled or futile(c.ratios, limit - ran, s.o.confirm) is not None or ran >= limit
+        ended, _ = over(c, len({j for j, _ in got}), s.o.confirm)
         if c.accepted or c.evidence or len(c.ratios) < s.o.confirm or not ended:
             continue
         out[s.programs.program(config)] = float(c.speedup)  # type: ignore[arg-type]
@@ -188,18 +199,12 @@ def confirm_one(
     baseline = s.space.baseline()
     me = s.machine.key
     stopped = None
-    limit = s.o.confirm * MORE_PAIRS
     s.reserve_now = 0.0
     j = 0
     while True:
         so_far = s.verdict_of(config, arms(s.results, key, me), None, search_speedup, me)
-        if so_far.evidence or (len(so_far.ratios) >= s.o.confirm and so_far.settled):
-            break
-        if len(so_far.ratios) >= s.o.confirm and (stopped := futile(so_far.ratios, limit - j, s.o.confirm)):
-            break
-        if j >= limit:
-            if len(so_far.ratios) < s.o.confirm:
-                stopped = f"{j} pairs run, {j - len(so_far.ratios)} of them not measured"
+        ended, stopped = over(so_far, j, s.o.confirm)
+        if ended:
             break
         pair_cost = s.costs.baseline_cost() + s.costs.cost_of(config)
         # the pairs set aside for may use the budget's slack; more than those, or a second candidate, only what

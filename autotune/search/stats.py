@@ -13,6 +13,12 @@ def sign_test(wins: int, n: int) -> float:
     return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n if n else 1.0
 
 
+def most_lost(n: int, alpha: float) -> int:
+    """The most of ``n`` pairs that may go the baseline's way with the sign test of the rest still at most ``alpha``;
+    -1 where so few pairs cannot reach it."""
+    return next((lost for lost in range(n, -1, -1) if sign_test(n - lost, n) <= alpha), -1)
+
+
 @functools.cache
 def later_alpha(first: int, most: int, alpha: float) -> float:
     """The sign test's threshold for the looks after the first, where a confirmation looks after every pair from
@@ -28,7 +34,7 @@ def later_alpha(first: int, most: int, alpha: float) -> float:
 def false_accepts(first: int, most: int, alpha: float, later: float) -> float:
     """The chance that a candidate whose pairs are fair coins is accepted at some look (``alpha`` at ``first`` pairs,
     ``later`` after), where the confirmation stops once its lost pairs exceed what ``most`` pairs allow."""
-    allowed = next((lost for lost in range(most, -1, -1) if sign_test(most - lost, most) <= later), -1)
+    allowed = most_lost(most, later)
     going, accepted = {0: 1.0}, 0.0  # wins -> chance of a confirmation still going with them
     for n in range(1, most + 1):
         step: dict[int, float] = {}
